@@ -1,0 +1,1 @@
+"""Contracts shared by every tier: settings, Redis key names, wire messages."""

@@ -1,0 +1,71 @@
+"""Every Redis key, channel, stream, consumer group and TTL, under one prefix.
+
+No other module spells a key. Build one `Keys(settings.key_prefix)` and pass it around.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+# TTLs (seconds)
+STATE_TTL_S = 3600  # request state and id log, after the request finished
+LIVE_STATE_TTL_S = 86400  # upper bound while a request is still running
+ABORT_TTL_S = 600
+HEARTBEAT_TTL_S = 10
+HEARTBEAT_EVERY_S = 2.0
+
+# Streams are trimmed approximately to this many entries (MAXLEN ~).
+REQUEST_STREAM_MAXLEN = 100_000
+
+SCHEDULER_GROUP = "schedulers"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "rs"
+
+    # -- streams ---------------------------------------------------------------------------
+    @property
+    def request_stream(self) -> str:
+        """Stream of GenerateJob entries; consumer group SCHEDULER_GROUP."""
+        return f"{self.prefix}:req"
+
+    # -- channels --------------------------------------------------------------------------
+    def token_channel(self, shard: int) -> str:
+        """Scheduler -> detokenizer TokenBatch messages for one shard."""
+        return f"{self.prefix}:tok:{shard}"
+
+    def output_channel(self, api_id: str) -> str:
+        """Detokenizer -> api TextBatch messages for the api replica that holds the client."""
+        return f"{self.prefix}:out:{api_id}"
+
+    @property
+    def control_channel(self) -> str:
+        """Broadcast ControlMessage (aborts, pause, ...)."""
+        return f"{self.prefix}:ctl"
+
+    # -- per-request keys ------------------------------------------------------------------
+    def state(self, rid: str) -> str:
+        """Hash: status, api_id, worker, epoch, counts, finish_reason, timestamps."""
+        return f"{self.prefix}:state:{rid}"
+
+    def ids(self, rid: str) -> str:
+        """List of generated token ids (RPUSH per step): the durable output log."""
+        return f"{self.prefix}:ids:{rid}"
+
+    def abort(self, rid: str) -> str:
+        """Exists while `rid` is aborted (written before any local state is dropped)."""
+        return f"{self.prefix}:abort:{rid}"
+
+    # -- workers ---------------------------------------------------------------------------
+    def heartbeat(self, kind: str, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{kind}:{worker_id}"
+
+    def heartbeat_pattern(self, kind: str) -> str:
+        return f"{self.prefix}:worker:{kind}:*"
+
+
+def shard_of(rid: str, num_shards: int) -> int:
+    """Stable shard of a request id (same answer in every process)."""
+    return zlib.crc32(rid.encode()) % max(1, num_shards)

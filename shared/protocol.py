@@ -1,0 +1,138 @@
+"""Wire messages: msgspec Structs, msgpack-encoded, one tagged union per stream/channel.
+
+Schema evolution: new fields get defaults and are appended; a field never changes type.
+Every message has `v`; a decoder refuses a newer major version with ProtocolVersionError.
+
+- request stream  `req`          : GenerateJob                      (api -> scheduler)
+- token channel   `tok:{shard}`  : TokenBatch, one per scheduler step (scheduler -> detokenizer)
+- output channel  `out:{api_id}` : TextBatch, one per detokenizer batch (detokenizer -> api)
+- control channel `ctl`          : AbortRequests                    (anyone -> everyone)
+Per-request entries carry `rid`, `epoch` (owner fencing token) and `seq` (index of the entry's
+first new token) so receivers can drop stale owners and detect gaps or duplicates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolVersionError(ValueError):
+    pass
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """Engine-side sampling parameters (already validated by the api)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = whole vocabulary
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+    # Checked by the scheduler on decoded tails so that a match finishes the request there.
+    stop: list[str] = []
+
+
+class DetokParams(msgspec.Struct, omit_defaults=True):
+    """What the detokenizer needs to know about one request."""
+
+    api_id: str
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    """SGLang's finish_reason: {type: stop|length|abort, matched | length | message}."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
+
+
+class GenerateJob(msgspec.Struct, tag="generate", omit_defaults=True):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    detok: DetokParams
+    created_at: float = 0.0
+    v: int = PROTOCOL_VERSION
+
+
+class TokenEntry(msgspec.Struct, omit_defaults=True):
+    """New token ids of one request in one scheduler step."""
+
+    rid: str
+    epoch: int
+    seq: int  # index in the output of token_ids[0]
+    token_ids: list[int]
+    prompt_tokens: int
+    finish: FinishReason | None = None
+    cached_tokens: int = 0
+    # Sent with a request's first entry of an epoch (seq 0 or after a reclaim).
+    detok: DetokParams | None = None
+
+
+class TokenBatch(msgspec.Struct, tag="tokens", omit_defaults=True):
+    worker_id: str
+    entries: list[TokenEntry]
+    v: int = PROTOCOL_VERSION
+
+
+class TextEntry(msgspec.Struct, omit_defaults=True):
+    """New text of one request. `token_ids` are the ids that advanced since the last entry."""
+
+    rid: str
+    epoch: int
+    seq: int
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish: FinishReason | None = None
+    cached_tokens: int = 0
+
+
+class TextBatch(msgspec.Struct, tag="text", omit_defaults=True):
+    entries: list[TextEntry]
+    v: int = PROTOCOL_VERSION
+
+
+class AbortRequests(msgspec.Struct, tag="abort", omit_defaults=True):
+    rids: list[str]
+    v: int = PROTOCOL_VERSION
+
+
+StreamMessage = GenerateJob
+TokenMessage = TokenBatch
+OutputMessage = TextBatch
+ControlMessage = AbortRequests
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, kind: Any) -> Any:
+    """Decode `data` as `kind` (a Struct type or a Union of them); check the version."""
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    msg = decoder.decode(data)
+    if msg.v > PROTOCOL_VERSION:
+        raise ProtocolVersionError(f"protocol v{msg.v} is newer than v{PROTOCOL_VERSION}")
+    return msg

@@ -1,0 +1,87 @@
+"""The only module that touches per-request keys: state hash, id log, abort marker.
+
+State hash fields (all strings): status (queued|running|finished|aborted), api_id, worker,
+epoch, prompt_tokens, completion_tokens, cached_tokens, finish_reason (JSON), created_at,
+finished_at. Live requests carry a long TTL; finished ones a short one (keys.STATE_TTL_S).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import msgspec
+import redis.asyncio as aioredis
+
+from shared import protocol
+from shared.keys import ABORT_TTL_S, LIVE_STATE_TTL_S, STATE_TTL_S, Keys
+
+Pipe = aioredis.client.Pipeline
+
+
+def create(pipe: Pipe, keys: Keys, rid: str, api_id: str, prompt_tokens: int) -> None:
+    key = keys.state(rid)
+    pipe.hset(
+        key,
+        mapping={
+            "status": "queued",
+            "api_id": api_id,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "created_at": time.time(),
+        },
+    )
+    pipe.expire(key, LIVE_STATE_TTL_S)
+
+
+def mark_running(pipe: Pipe, keys: Keys, rid: str, worker: str, epoch: int) -> None:
+    pipe.hset(keys.state(rid), mapping={"status": "running", "worker": worker, "epoch": epoch})
+
+
+def append_ids(pipe: Pipe, keys: Keys, rid: str, token_ids: list[int]) -> None:
+    """Append one step's new ids to the durable id log (same pipeline as the PUBLISH)."""
+    if token_ids:
+        pipe.rpush(keys.ids(rid), *token_ids)
+        pipe.expire(keys.ids(rid), LIVE_STATE_TTL_S)
+
+
+def finish(
+    pipe: Pipe,
+    keys: Keys,
+    rid: str,
+    reason: protocol.FinishReason,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+) -> None:
+    status = "aborted" if reason.type == "abort" else "finished"
+    pipe.hset(
+        keys.state(rid),
+        mapping={
+            "status": status,
+            "finish_reason": msgspec.json.encode(reason),
+            "completion_tokens": completion_tokens,
+            "cached_tokens": cached_tokens,
+            "finished_at": time.time(),
+        },
+    )
+    pipe.expire(keys.state(rid), STATE_TTL_S)
+    pipe.expire(keys.ids(rid), STATE_TTL_S)
+
+
+def abort(pipe: Pipe, keys: Keys, rids: Iterable[str]) -> None:
+    """Mark `rids` aborted: the durable marker first, then the broadcast (same pipeline)."""
+    rid_list = list(rids)
+    for rid in rid_list:
+        pipe.set(keys.abort(rid), 1, ex=ABORT_TTL_S)
+    pipe.publish(keys.control_channel, protocol.encode(protocol.AbortRequests(rids=rid_list)))
+
+
+def query_aborted(pipe: Pipe, keys: Keys, rids: list[str]) -> None:
+    """Queue an EXISTS per rid; the pipeline's results say which are aborted."""
+    for rid in rids:
+        pipe.exists(keys.abort(rid))
+
+
+async def get(r: aioredis.Redis, keys: Keys, rid: str) -> dict[str, str]:
+    raw = await r.hgetall(keys.state(rid))
+    return {k.decode(): v.decode() for k, v in raw.items()}

