@@ -37,7 +37,7 @@ class SchedulerSettings(BaseModel):
     block_size: int = 16
     # Total KV cache blocks; 0 = size from kv_cache_tokens.
     num_kv_blocks: int = 0
-    kv_cache_tokens: int = 65536
+    kv_cache_tokens: int = 16384
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     num_threads: int = 0  # 0 = torch default

@@ -42,9 +42,17 @@ class EmbeddedRedis:
         self._dir = tempfile.TemporaryDirectory(prefix="redserve-redis-")
         args = [
             redis_server_binary(),
-            "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", self._dir.name,
-        ]  # fmt: skip
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir.name,
+        ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

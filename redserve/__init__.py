@@ -1,0 +1,1 @@
+"""The `redserve` command: run the whole stack (`redserve up`) or one tier."""

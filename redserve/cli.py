@@ -1,0 +1,108 @@
+"""`redserve up | api | scheduler | detokenizer`: flags map onto shared.config.Settings.
+
+`up` runs everything on one machine as separate OS processes that share nothing but Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from shared.config import Settings
+from shared.logging_setup import configure_logging
+
+logger = logging.getLogger(__name__)
+
+# flag -> (path in Settings, type, help)
+_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--model": ("model", str, "HF folder, .gguf file or hub id (default: packaged SmolLM2)"),
+    "--redis-url": ("redis_url", str, "use this Redis instead of an embedded one"),
+    "--key-prefix": ("key_prefix", str, "prefix of every Redis key"),
+    "--cache-dir": ("cache_dir", str, "where converted GGUF weights are cached"),
+    "--context-length": ("context_length", int, "max prompt + output tokens"),
+    "--log-level": ("log_level", str, "DEBUG, INFO, WARNING"),
+    "--host": ("api.host", str, "api bind address"),
+    "--port": ("api.port", int, "api port (default 30000)"),
+    "--api-id": ("api.api_id", str, "name of this api replica"),
+    "--served-model-name": ("api.served_model_name", str, "model name shown on /v1"),
+    "--device": ("scheduler.device", str, "cpu or cuda"),
+    "--dtype": ("scheduler.dtype", str, "float32, bfloat16 or float16"),
+    "--kv-cache-tokens": ("scheduler.kv_cache_tokens", int, "KV cache capacity in tokens"),
+    "--max-num-seqs": ("scheduler.max_num_seqs", int, "max requests in one batch"),
+    "--max-num-batched-tokens": ("scheduler.max_num_batched_tokens", int, "token budget"),
+    "--worker-id": ("scheduler.worker_id", str, "name of this scheduler replica"),
+    "--num-threads": ("scheduler.num_threads", int, "torch threads (0 = default)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="redserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in [
+        ("up", "embedded Redis (unless --redis-url) + api + scheduler + detokenizer"),
+        ("api", "the HTTP tier (TokenizerManager)"),
+        ("scheduler", "a scheduler worker (model + continuous batching)"),
+        ("detokenizer", "a detokenizer worker"),
+    ]:
+        p = sub.add_parser(name, help=help_text)
+        for flag, (_path, typ, flag_help) in _FLAGS.items():
+            p.add_argument(flag, type=typ, default=None, help=flag_help)
+    health = sub.add_parser("health", help="exit 0 when this host's tier is alive (for compose)")
+    health.add_argument("tier", choices=["api", "scheduler"])
+    for flag, (_path, typ, flag_help) in _FLAGS.items():
+        health.add_argument(flag, type=typ, default=None, help=flag_help)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Environment (REDSERVE_*) first, then the flags given on the command line."""
+    settings = Settings()
+    for flag, (path, _typ, _help) in _FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            _set_path(settings, path, value)
+    return settings
+
+
+def _set_path(settings: Settings, path: str, value: Any) -> None:
+    obj: Any = settings
+    *parents, leaf = path.split(".")
+    for name in parents:
+        obj = getattr(obj, name)
+    setattr(obj, leaf, value)
+
+
+def _tier_main(command: str) -> Callable[[Settings], None]:
+    if command == "api":
+        from api.__main__ import main as api_main
+
+        return api_main
+    if command == "scheduler":
+        from workers.scheduler.__main__ import main as scheduler_main
+
+        return scheduler_main
+    if command == "detokenizer":
+        from workers.detokenizer import main as detokenizer_main
+
+        return detokenizer_main
+    from redserve.supervisor import up
+
+    return up
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level, args.command)
+    if args.command == "health":
+        from redserve.health import check
+
+        sys.exit(check(settings, args.tier))
+    _tier_main(args.command)(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""`redserve up`: embedded Redis + one process per tier; one Ctrl-C stops everything.
+
+The tiers get their settings through REDSERVE_* environment variables, exactly as a compose
+deployment would give them, so `up` exercises the same code paths as separate machines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from shared.config import Settings
+from shared.embedded_redis import EmbeddedRedis
+from shared.model_files import resolve_model
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("scheduler", "detokenizer", "api")
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """Settings as REDSERVE_* variables (nested fields joined with `__`)."""
+    env: dict[str, str] = {}
+
+    def walk(prefix: str, data: dict[str, Any]) -> None:
+        for name, value in data.items():
+            key = f"{prefix}{name.upper()}"
+            if isinstance(value, dict):
+                walk(key + "__", value)
+            elif value is not None:
+                env[key] = json.dumps(value) if isinstance(value, list) else str(value)
+
+    walk("REDSERVE_", settings.model_dump())
+    return env
+
+
+def start_tiers(
+    settings: Settings, log_dir: Path | None = None
+) -> dict[str, subprocess.Popen[bytes]]:
+    """One OS process per tier; with `log_dir`, each tier's output goes to `{tier}.log`."""
+    env = {**os.environ, **settings_env(settings)}
+    procs = {}
+    for tier in TIERS:
+        out = open(log_dir / f"{tier}.log", "wb") if log_dir else None  # noqa: SIM115
+        procs[tier] = subprocess.Popen(
+            [sys.executable, "-m", "redserve.cli", tier],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+        )
+    return procs
+
+
+def stop_tiers(procs: dict[str, subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for tier, proc in procs.items():
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in time; killing it", tier)
+            proc.kill()
+            proc.wait()
+
+
+def wait_healthy(settings: Settings, procs: dict[str, subprocess.Popen[bytes]]) -> bool:
+    url = f"http://{settings.api.host}:{settings.api.port}/health"
+    while all(p.poll() is None for p in procs.values()):
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def supervise(procs: dict[str, subprocess.Popen[bytes]]) -> int:
+    """Block until a tier exits (then report it) or we are told to stop."""
+    while True:
+        for tier, proc in procs.items():
+            code = proc.poll()
+            if code is not None:
+                logger.error("%s exited with %s; stopping the stack", tier, code)
+                return code or 1
+        time.sleep(0.5)
+
+
+def up(settings: Settings) -> None:
+    redis = None
+    if not settings.redis_url:
+        redis = EmbeddedRedis()
+        settings.redis_url = redis.start()
+        logger.info("embedded redis-server at %s", settings.redis_url)
+    # Convert the model once here so the tiers do not race for it.
+    settings.model = resolve_model(settings.model, settings.cache_dir)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    code = 0
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        procs = start_tiers(settings)
+        if wait_healthy(settings, procs):
+            logger.info(
+                "redserve is up: http://%s:%d  (Ctrl-C stops everything)",
+                settings.api.host,
+                settings.api.port,
+            )
+        code = supervise(procs)
+    except KeyboardInterrupt:
+        logger.info("stopping")
+    finally:
+        stop_tiers(procs)
+        if redis:
+            redis.stop()
+    sys.exit(code)

@@ -1,0 +1,74 @@
+"""`redserve up` (what `make serve` runs): embedded Redis, the default model, a curl answer,
+and one Ctrl-C stops every process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from shared.embedded_redis import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+
+def _wait_health(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "redserve up exited early"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("redserve up did not become healthy")
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    children = [int(x) for x in out.stdout.split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def test_redserve_up_answers_curl_and_stops_on_ctrl_c(tmp_path: pytest.TempPathFactory) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDSERVE_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "redserve.cli", "up", "--port", str(port)],
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _wait_health(port, proc)
+        children = _descendants(proc.pid)
+        assert len(children) >= 4  # redis-server + api + scheduler + detokenizer
+        payload = json.dumps(
+            {
+                "text": "The capital of France is",
+                "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+            }
+        )
+        out = subprocess.run(
+            ["curl", "-sf", f"http://127.0.0.1:{port}/generate", "-d", payload],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        assert json.loads(out.stdout)["text"].strip()
+        # Ctrl-C in a terminal signals the whole foreground process group.
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
+        time.sleep(0.2)
+        alive = [c for c in children if os.path.exists(f"/proc/{c}")]
+        assert not alive, f"left running: {alive}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
