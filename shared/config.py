@@ -48,6 +48,8 @@ class SchedulerSettings(BaseModel):
 class DetokenizerSettings(BaseModel):
     # Shards of the token channel this replica subscribes to; empty = all.
     shards: list[int] = Field(default_factory=list)
+    # Live per-request decode states kept at most (least recently used evicted beyond).
+    max_states: int = 65536
 
 
 class Settings(BaseSettings):

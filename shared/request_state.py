@@ -83,5 +83,5 @@ def query_aborted(pipe: Pipe, keys: Keys, rids: list[str]) -> None:
 
 
 async def get(r: aioredis.Redis, keys: Keys, rid: str) -> dict[str, str]:
-    raw = await r.hgetall(keys.state(rid))
+    raw: dict[bytes, bytes] = await r.hgetall(keys.state(rid))  # type: ignore[misc]
     return {k.decode(): v.decode() for k, v in raw.items()}
