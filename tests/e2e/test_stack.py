@@ -126,24 +126,23 @@ def test_native_stream_ends_with_done_and_full_text(stack: Stack) -> None:
 
 
 def test_multibyte_characters_never_arrive_broken(stack: Stack) -> None:
-    # Greedy SmolLM2 answers this with CJK and emoji whose UTF-8 bytes span several tokens.
-    body = {
-        "model": "default",
-        "messages": [{"role": "user", "content": "Write the word 'Japan' in Japanese: 日本"}],
-        "temperature": 0,
-        "max_tokens": 40,
-        "stream": True,
-    }
-    with httpx.stream("POST", stack.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stack.settings.model)
+    # Greedy SmolLM2 answers this in Japanese; byte-level BPE splits those characters.
+    messages = [{"role": "user", "content": "Write the word 'Japan' in Japanese: 日本"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    payload = {"text": prompt, "stream": True, "sampling_params": _greedy(30)}
+    with httpx.stream("POST", stack.base_url + "/generate", json=payload, timeout=60) as r:
         events = _sse_events(list(r.iter_lines()))
-    deltas = [
-        c["choices"][0]["delta"].get("content") or ""
-        for c in (json.loads(e) for e in events[:-1])
-        if c["choices"]
-    ]
-    text = "".join(deltas)
-    assert any(ord(ch) > 0x7FF for ch in text), text  # the answer has 3+-byte characters
-    assert all("\ufffd" not in d for d in deltas), deltas
+    chunks = [json.loads(e) for e in events[:-1]]
+    final = chunks[-1]
+    split = [t for t in final["output_ids"] if "\ufffd" in tok.decode([t])]
+    assert split, "no character of this answer spans several tokens; pick another prompt"
+    assert any(ord(ch) > 0x7FF for ch in final["text"]), final["text"]
+    # Cumulative text: a broken character in any delta would show up in some chunk.
+    assert all("\ufffd" not in c["text"] for c in chunks if not c["meta_info"]["finish_reason"])
+    assert final["text"] == tok.decode(final["output_ids"], skip_special_tokens=True)
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv(stack: Stack) -> None:

@@ -1,0 +1,286 @@
+"""The scheduler loop on fakeredis with a scripted model runner: jobs in, TokenBatches out."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from shared import protocol, request_state, request_stream
+from shared.config import SchedulerSettings, Settings
+from shared.keys import SCHEDULER_GROUP, Keys
+from workers.scheduler.loop import SchedulerLoop
+from workers.scheduler.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler.sequence import Sequence
+
+EOS = 2
+VOCAB = 100
+DEFAULT_TOKEN = 50
+
+
+class ScriptedRunner:
+    """Gives each request the next token of its script (then DEFAULT_TOKEN); records steps."""
+
+    def __init__(self, scripts: dict[str, list[int]] | None = None) -> None:
+        self.scripts = scripts or {}
+        self.steps: list[tuple[list[str], bool]] = []
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        self.steps.append(([seq.rid for seq in seqs], is_prefill))
+        tokens = []
+        for seq in seqs:
+            script = self.scripts.get(seq.rid, [])
+            n = seq.num_completion_tokens
+            tokens.append(script[n] if n < len(script) else DEFAULT_TOKEN)
+        return tokens
+
+
+def make_loop(r: aioredis.Redis, keys: Keys, runner: ScriptedRunner, **core: Any) -> SchedulerLoop:
+    config: dict[str, Any] = dict(
+        num_kv_blocks=32, vocab_size=VOCAB, max_model_len=64, block_size=4, max_num_seqs=8
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(**{**config, **core}, eos_token_ids=frozenset({EOS})),
+        decode_tail=lambda ids: "".join(f"<{i}>" for i in ids),
+    )
+    settings = Settings(scheduler=SchedulerSettings(worker_id="w1", idle_block_ms=5))
+    return SchedulerLoop(r, keys, settings, scheduler, runner)
+
+
+async def submit(
+    r: aioredis.Redis, keys: Keys, rid: str, prompt: list[int] | None = None, **sampling: Any
+) -> None:
+    job = protocol.GenerateJob(
+        rid=rid,
+        input_ids=prompt or [10, 11, 12],
+        sampling=protocol.SamplingParams(**sampling),
+        detok=protocol.DetokParams(api_id="api-1"),
+    )
+    pipe = r.pipeline()
+    request_stream.submit(pipe, keys, job)
+    await pipe.execute()
+
+
+async def subscribe(r: aioredis.Redis, keys: Keys) -> aioredis.client.PubSub:
+    pubsub = r.pubsub()
+    await pubsub.subscribe(keys.token_channel(0))
+    return pubsub
+
+
+async def received(pubsub: aioredis.client.PubSub) -> list[protocol.TokenBatch]:
+    batches = []
+    while msg := await pubsub.get_message(timeout=0.01):
+        if msg["type"] == "message":
+            batches.append(protocol.decode(msg["data"], protocol.TokenBatch))
+    return batches
+
+
+def entries_of(batches: list[protocol.TokenBatch], rid: str) -> list[protocol.TokenEntry]:
+    return [e for b in batches for e in b.entries if e.rid == rid]
+
+
+async def num_pending(r: aioredis.Redis, keys: Keys) -> int:
+    info = await r.xpending(keys.request_stream, SCHEDULER_GROUP)
+    return int(info["pending"])
+
+
+async def test_jobs_come_out_as_one_token_batch_per_step(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    runner = ScriptedRunner({"a": [5, 6, 7], "b": [8, EOS]})
+    loop = make_loop(fake_redis, keys, runner)
+    pubsub = await subscribe(fake_redis, keys)
+    await submit(fake_redis, keys, "a", max_new_tokens=3)
+    await submit(fake_redis, keys, "b", [20, 21])
+    await loop.run(burst=True)
+    batches = await received(pubsub)
+
+    assert runner.steps == [(["a", "b"], True), (["a", "b"], False), (["a"], False)]
+    assert len(batches) == len(runner.steps)  # one message per step, not per token
+    assert all(b.worker_id == "w1" for b in batches)
+    a, b = entries_of(batches, "a"), entries_of(batches, "b")
+    detok = protocol.DetokParams(api_id="api-1")
+    assert [(e.epoch, e.seq, e.token_ids, e.prompt_tokens) for e in a] == [
+        (1, 0, [5], 3),
+        (1, 1, [6], 3),
+        (1, 2, [7], 3),
+    ]
+    assert [e.detok for e in a] == [detok, None, None]
+    assert [e.finish for e in a] == [None, None, protocol.FinishReason(type="length", length=3)]
+    assert [(e.seq, e.token_ids, e.prompt_tokens) for e in b] == [(0, [8], 2), (1, [EOS], 2)]
+    assert b[-1].finish == protocol.FinishReason(type="stop", matched=EOS)
+
+    assert await fake_redis.lrange(keys.ids("a"), 0, -1) == [b"5", b"6", b"7"]
+    state = await request_state.get(fake_redis, keys, "a")
+    assert state["status"] == "finished" and state["worker"] == "w1" and state["epoch"] == "1"
+    assert state["completion_tokens"] == "3"
+    assert await num_pending(fake_redis, keys) == 0
+    assert await fake_redis.xlen(keys.request_stream) == 0
+
+
+async def test_a_job_is_acked_only_in_the_step_that_finishes_it(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    loop = make_loop(fake_redis, keys, ScriptedRunner())
+    pubsub = await subscribe(fake_redis, keys)
+    await submit(fake_redis, keys, "short", max_new_tokens=2, ignore_eos=True)
+    await submit(fake_redis, keys, "long", max_new_tokens=4, ignore_eos=True)
+    pending = []
+    for _ in range(4):
+        await loop.run_once()
+        pending.append(await num_pending(fake_redis, keys))
+    assert pending == [2, 1, 1, 0]
+    finals = [e for b in await received(pubsub) for e in b.entries if e.finish]
+    assert [e.rid for e in finals] == ["short", "long"]
+    await loop.aclose()
+
+
+async def run_until_finished(loop: SchedulerLoop, rid: str, pubsub: Any) -> list[Any]:
+    entries: list[protocol.TokenEntry] = []
+    for _ in range(20):
+        await loop.run_once()
+        entries += entries_of(await received(pubsub), rid)
+        if entries and entries[-1].finish:
+            return entries
+    raise AssertionError(f"{rid} did not finish: {entries}")
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+async def test_abort_mid_generation_stops_the_request_and_frees_blocks(
+    fake_redis: aioredis.Redis, keys: Keys, broadcast: bool
+) -> None:
+    loop = make_loop(fake_redis, keys, ScriptedRunner())
+    pubsub = await subscribe(fake_redis, keys)
+    await submit(fake_redis, keys, "a", max_new_tokens=40, ignore_eos=True)
+    await submit(fake_redis, keys, "other", max_new_tokens=40, ignore_eos=True)
+    for _ in range(3):
+        await loop.run_once()
+    pipe = fake_redis.pipeline()
+    if broadcast:
+        request_state.abort(pipe, keys, ["a"])  # key + control message
+    else:
+        pipe.set(keys.abort("a"), 1)  # the key alone: found by the per-step check
+    await pipe.execute()
+
+    entries = await run_until_finished(loop, "a", pubsub)
+    assert entries[-1].finish is not None and entries[-1].finish.type == "abort"
+    assert len(entries) < 10
+    assert (await request_state.get(fake_redis, keys, "a"))["status"] == "aborted"
+    assert await num_pending(fake_redis, keys) == 1
+    key = keys.heartbeat("scheduler", "w1")
+    beat = await fake_redis.hgetall(key)
+    [other] = loop.core.running  # goes on, holding only its own blocks
+    assert beat[b"num_running"] == b"1"
+    assert int(beat[b"num_free_blocks"]) == 32 - len(other.block_table)
+
+    pipe = fake_redis.pipeline()
+    request_state.abort(pipe, keys, ["other"])
+    await pipe.execute()
+    await run_until_finished(loop, "other", pubsub)
+    beat = await fake_redis.hgetall(key)
+    assert beat[b"num_running"] == b"0" and beat[b"num_free_blocks"] == b"32"
+    assert await num_pending(fake_redis, keys) == 0
+    await loop.aclose()
+
+
+async def test_a_job_aborted_before_it_was_read_never_runs(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    runner = ScriptedRunner()
+    loop = make_loop(fake_redis, keys, runner)
+    pubsub = await subscribe(fake_redis, keys)
+    await submit(fake_redis, keys, "a")
+    pipe = fake_redis.pipeline()
+    request_state.abort(pipe, keys, ["a"])
+    await pipe.execute()
+    await loop.run(burst=True)
+    [entry] = entries_of(await received(pubsub), "a")
+    assert entry.finish is not None and entry.finish.type == "abort"
+    assert entry.token_ids == [] and entry.detok is not None
+    assert runner.steps == [] and await num_pending(fake_redis, keys) == 0
+
+
+async def test_bad_jobs_fail_alone_and_the_loop_keeps_serving(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    runner = ScriptedRunner({"good": [5, EOS]})
+    loop = make_loop(fake_redis, keys, runner)
+    pubsub = await subscribe(fake_redis, keys)
+    await fake_redis.xadd(keys.request_stream, {b"job": b"\xc1garbage"})
+    await submit(fake_redis, keys, "oov", [5, VOCAB + 7])
+    await submit(fake_redis, keys, "too-long", list(range(10, 80)))
+    await submit(fake_redis, keys, "good")
+    await loop.run(burst=True)
+    batches = await received(pubsub)
+
+    for rid in ("oov", "too-long"):
+        [entry] = entries_of(batches, rid)
+        assert entry.finish is not None and entry.token_ids == []
+        assert (entry.finish.type, entry.finish.status_code) == ("abort", 400)
+        assert (await request_state.get(fake_redis, keys, rid))["status"] == "aborted"
+    oov_finish = entries_of(batches, "oov")[0].finish
+    assert oov_finish is not None and "out of vocabulary" in (oov_finish.message or "")
+    assert [e.token_ids for e in entries_of(batches, "good")] == [[5], [EOS]]
+    assert all(rids == ["good"] for rids, _ in runner.steps)
+    assert await num_pending(fake_redis, keys) == 0
+    assert await fake_redis.xlen(keys.request_stream) == 0
+
+
+@pytest.mark.parametrize(("core", "room"), [({"max_num_seqs": 2}, 2), ({"num_kv_blocks": 3}, 3)])
+async def test_the_loop_reads_no_more_jobs_than_it_has_room_for(
+    fake_redis: aioredis.Redis, keys: Keys, core: dict[str, int], room: int
+) -> None:
+    loop = make_loop(fake_redis, keys, ScriptedRunner(), **core)
+    for i in range(6):
+        await submit(fake_redis, keys, f"r{i}", max_new_tokens=2, ignore_eos=True)
+    await loop.run_once()
+    assert await num_pending(fake_redis, keys) == room
+    await loop.run(burst=True)
+    assert await num_pending(fake_redis, keys) == 0
+    assert await fake_redis.xlen(keys.request_stream) == 0
+
+
+async def test_heartbeat_describes_the_batch_and_expires(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    loop = make_loop(fake_redis, keys, ScriptedRunner())
+    await submit(fake_redis, keys, "a", max_new_tokens=5, ignore_eos=True)
+    await loop.run_once()
+    key = keys.heartbeat("scheduler", "w1")
+    beat = await fake_redis.hgetall(key)
+    assert beat[b"num_running"] == b"1" and beat[b"num_waiting"] == b"0"
+    assert beat[b"num_total_blocks"] == b"32" and beat[b"num_free_blocks"] == b"31"
+    assert float(beat[b"updated_at"]) > 0
+    assert 0 < await fake_redis.ttl(key) <= 10
+    await loop.aclose()
+
+
+async def test_a_failed_step_transaction_is_sent_again_without_gaps(
+    fake_redis: aioredis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = ScriptedRunner({"a": [5, 6, 7, 8]})
+    loop = make_loop(fake_redis, keys, runner)
+    pubsub = await subscribe(fake_redis, keys)
+    await submit(fake_redis, keys, "a", max_new_tokens=4)
+    transactions = itertools.count()
+    real_pipeline = fake_redis.pipeline
+
+    def flaky_pipeline(transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = real_pipeline(transaction=transaction, shard_hint=shard_hint)
+        if transaction and next(transactions) == 1:  # the second step's transaction
+
+            async def fail(*_args: Any, **_kwargs: Any) -> Any:
+                raise RedisConnectionError("connection lost")
+
+            pipe.execute = fail  # type: ignore[method-assign]
+        return pipe
+
+    monkeypatch.setattr(fake_redis, "pipeline", flaky_pipeline)
+    await loop.run(burst=True)
+    entries = entries_of(await received(pubsub), "a")
+    assert [(e.seq, e.token_ids) for e in entries] == [(0, [5]), (1, [6, 7]), (3, [8])]
+    assert await fake_redis.lrange(keys.ids("a"), 0, -1) == [b"5", b"6", b"7", b"8"]
+    assert await num_pending(fake_redis, keys) == 0

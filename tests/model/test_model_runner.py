@@ -1,0 +1,159 @@
+"""Our Llama forward + paged KV cache + sampler against Hugging Face, on the real SmolLM2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from shared.protocol import SamplingParams
+from workers.scheduler.model_runner import TorchModelRunner
+from workers.scheduler.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler.sequence import Sequence
+
+pytestmark = pytest.mark.model
+
+MAX_NEW_TOKENS = 32
+NUM_KV_BLOCKS = 256
+BLOCK_SIZE = 16
+CHAT = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning Python.",
+]
+PLAIN = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Any) -> list[list[int]]:
+    chat = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True
+            )["input_ids"]
+        )
+        for q in CHAT
+    ]
+    return chat + [list(tokenizer(p)["input_ids"]) for p in PLAIN]
+
+
+@pytest.fixture(scope="module")
+def runner(model_path: str) -> TorchModelRunner:
+    return TorchModelRunner.load(model_path, NUM_KV_BLOCKS, BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(model_path: str, prompts: list[list[int]]) -> Iterator[list[list[int]]]:
+    """Hugging Face's own greedy generation of every prompt (the model is loaded once)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_NEW_TOKENS,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    yield outputs
+
+
+def generate(
+    runner: TorchModelRunner,
+    prompts: list[list[int]],
+    sampling: list[SamplingParams],
+    arrival_step: list[int] | None = None,
+) -> list[list[int]]:
+    """Drive our core + runner; request i joins at step `arrival_step[i]` (default 0)."""
+    core = Scheduler(
+        SchedulerConfig(
+            num_kv_blocks=NUM_KV_BLOCKS,
+            vocab_size=runner.vocab_size,
+            max_model_len=2048,
+            block_size=BLOCK_SIZE,
+            eos_token_ids=frozenset({2}),
+        ),
+        decode_tail=lambda ids: "",
+    )
+    seqs = [Sequence(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))]
+    arrivals = arrival_step or [0] * len(seqs)
+    step = 0
+    while step <= max(arrivals) or not core.is_idle:
+        for seq, arrival in zip(seqs, arrivals, strict=True):
+            if arrival == step:
+                core.add(seq)
+        batch, is_prefill = core.schedule()
+        if batch:
+            core.postprocess(batch, runner.run(batch, is_prefill))
+        step += 1
+    return [seq.output_ids for seq in seqs]
+
+
+@pytest.fixture(scope="module")
+def alone(runner: TorchModelRunner, prompts: list[list[int]]) -> list[list[int]]:
+    return [generate(runner, [p], [GREEDY])[0] for p in prompts]
+
+
+def test_greedy_equals_hugging_face_token_for_token(
+    alone: list[list[int]], hf_outputs: list[list[int]]
+) -> None:
+    for i, (ours, theirs) in enumerate(zip(alone, hf_outputs, strict=True)):
+        assert ours == theirs, f"prompt {i}"
+    assert any(len(o) == MAX_NEW_TOKENS for o in alone)
+
+
+def test_continuous_batching_gives_each_request_its_solo_tokens(
+    runner: TorchModelRunner, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    # Requests join while others decode, so prefill and decode batches mix lengths.
+    arrivals = [0, 0, 1, 4, 9, 20]
+    assert generate(runner, prompts, [GREEDY] * len(prompts), arrivals) == alone
+
+
+def test_sixteen_concurrent_requests_give_their_solo_tokens(
+    runner: TorchModelRunner, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    many = prompts + prompts[::-1] + prompts[:4]
+    assert len(many) == 16
+    assert generate(runner, many, [GREEDY] * 16) == alone + alone[::-1] + alone[:4]
+
+
+def test_a_seeded_sampled_request_is_the_same_alone_and_in_a_batch(
+    runner: TorchModelRunner, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    seeded = SamplingParams(temperature=0.8, seed=1234, max_new_tokens=16, ignore_eos=True)
+    solo = generate(runner, [prompts[0]], [seeded])[0]
+    others = [
+        SamplingParams(temperature=1.0, max_new_tokens=16),
+        SamplingParams(temperature=0, max_new_tokens=16),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_new_tokens=16),
+    ]
+    mixed = [prompts[1], prompts[0], prompts[4], prompts[5]]
+    batch = generate(runner, mixed, [others[0], seeded, *others[1:]], [0, 0, 2, 5])
+    assert batch[1] == solo and len(solo) == 16
+    assert solo != alone[0][:16]  # it really sampled
+
+
+def test_top_k_one_equals_greedy(
+    runner: TorchModelRunner, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    top1 = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=MAX_NEW_TOKENS)
+    assert generate(runner, prompts[:2], [top1] * 2) == alone[:2]

@@ -1,0 +1,102 @@
+"""`python -m workers.scheduler` (or `redserve scheduler`): one scheduler worker.
+
+Wires settings → model files → tokenizer (eos ids, stop-string tails) → model runner →
+core → loop, then serves until SIGINT/SIGTERM (exit 0). A fatal error (Redis gone for good,
+an unexpected exception) is logged and exits non-zero, so the supervisor restarts us and
+our unacked jobs stay pending for another worker to reclaim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from shared.config import Settings, get_settings
+from shared.keys import Keys
+from shared.logging_setup import configure_logging
+from shared.model_files import resolve_model
+from shared.redis_conn import connect
+from workers.scheduler.loop import SchedulerLoop
+from workers.scheduler.model_runner import TorchModelRunner
+from workers.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("workers.scheduler")
+
+
+def main(settings: Settings) -> None:
+    configure_logging(settings.log_level, "scheduler")
+    try:
+        loop = build_loop(settings)
+        asyncio.run(_serve(loop))
+    except KeyboardInterrupt:  # a Ctrl-C while the model was still loading
+        logger.info("interrupted")
+    except Exception:
+        logger.exception("scheduler failed")
+        sys.exit(1)
+
+
+def build_loop(settings: Settings) -> SchedulerLoop:
+    if not settings.redis_url:
+        raise ValueError("a scheduler needs REDSERVE_REDIS_URL (or --redis-url)")
+    sched = settings.scheduler
+    logger.info("resolving model %s", settings.model or "(packaged default)")
+    model_path = resolve_model(settings.model, settings.cache_dir)
+    logger.info("loading tokenizer from %s", model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    num_blocks = sched.num_kv_blocks or max(1, sched.kv_cache_tokens // sched.block_size)
+    logger.info("loading model weights (%s on %s)", sched.dtype, sched.device)
+    runner = TorchModelRunner.load(
+        model_path, num_blocks, sched.block_size, sched.dtype, sched.device, sched.num_threads
+    )
+    args = runner.model.args
+    max_model_len = min(
+        settings.context_length or args.max_position_embeddings, args.max_position_embeddings
+    )
+    config = SchedulerConfig(
+        num_kv_blocks=num_blocks,
+        vocab_size=args.vocab_size,
+        max_model_len=max_model_len,
+        block_size=sched.block_size,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        eos_token_ids=eos_token_ids(tokenizer.eos_token_id, model_path),
+    )
+    core = Scheduler(config, decode_tail=lambda ids: str(tokenizer.decode(ids)))
+    logger.info(
+        "ready: context %d tokens, eos ids %s", core.max_model_len, sorted(config.eos_token_ids)
+    )
+    return SchedulerLoop(
+        connect(settings.redis_url), Keys(settings.key_prefix), settings, core, runner
+    )
+
+
+def eos_token_ids(tokenizer_eos: int | None, model_path: str) -> frozenset[int]:
+    """The tokenizer's eos plus generation_config.json's (an id or a list of ids)."""
+    ids: set[int] = set() if tokenizer_eos is None else {tokenizer_eos}
+    path = Path(model_path) / "generation_config.json"
+    if path.is_file():
+        eos: Any = json.loads(path.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return frozenset(ids)
+
+
+async def _serve(loop: SchedulerLoop) -> None:
+    running = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        running.add_signal_handler(sig, loop.stop)
+    try:
+        await loop.run()
+    finally:
+        await loop.redis.aclose()
+    logger.info("stopped")
+
+
+if __name__ == "__main__":
+    main(get_settings())

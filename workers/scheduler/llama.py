@@ -1,0 +1,295 @@
+"""Our own Llama-family forward over a paged KV cache (Llama, SmolLM2; torch lives here).
+
+The model runs on a flat batch of T new tokens from B sequences. Each layer writes the new
+tokens' K/V into the cache slots the block manager assigned, then attends over each
+sequence's whole context gathered from the cache, so prefill, decode (and later prefix reuse
+or chunked prefill) are one code path. Weights load straight from the HF folder's
+config.json + safetensors; no transformers model object exists at run time.
+Other families differ in small places marked below (Qwen2: q/k/v bias = `attention_bias`;
+Qwen3: a per-head RMSNorm on q and k before RoPE).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"model_type {cfg.get('model_type')!r} has no built-in forward yet "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        # transformers 5 writes `rope_parameters`; older folders `rope_theta`/`rope_scaling`.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise NotImplementedError(f"RoPE scaling {rope} is not supported yet")
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+        )
+
+
+@dataclass
+class AttentionBatch:
+    """Index tensors of one step, shared by every layer (built by the model runner).
+
+    Queries are laid out padded as [B, Lq] (Lq = most new tokens of one sequence) and the
+    context as [B, Lk] cache slots (Lk = longest context); `mask` hides padding and the
+    future.
+    """
+
+    positions: torch.Tensor  # [T] position of each new token in its sequence
+    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V goes to
+    query_index: torch.Tensor  # [T] row of each new token in the padded [B * Lq] layout
+    kv_slots: torch.Tensor  # [B, Lk] cache slots of each sequence's context
+    mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = attend
+    last_index: torch.Tensor  # [B] index in T of each sequence's last new token
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(args: ModelArgs, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position, [max_positions, head_dim] (HF's rotate-half layout)."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    positions = torch.arange(args.max_position_embeddings, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+        )
+        self.q_size, self.kv_size = (
+            args.num_heads * args.head_dim,
+            args.num_kv_heads * args.head_dim,
+        )
+        self.qkv_proj = nn.Linear(
+            args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # (Qwen3 would apply its q/k RMSNorm here.)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+        out = self._attend(q, k_cache, v_cache, batch)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        num_seqs, _, max_q, _ = batch.mask.shape
+        padded = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
+        padded[batch.query_index] = q
+        padded = padded.view(num_seqs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
+        keys = k_cache[batch.kv_slots].transpose(1, 2)  # [B, kv_heads, Lk, head_dim]
+        values = v_cache[batch.kv_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            padded, keys, values, attn_mask=batch.mask, enable_gqa=True
+        )
+        out = out.transpose(1, 2).reshape(num_seqs * max_q, self.num_heads, self.head_dim)
+        return out[batch.query_index]
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(args, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of each sequence's last new token; `kv_cache` is
+        [layers, 2, slots, kv_heads, head_dim]."""
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos[batch.positions].unsqueeze(1)
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, cos, sin, batch, layer_cache)
+        return self.lm_head(self.norm(x[batch.last_index])).float()
+
+
+# Checkpoint projections that we keep fused: name -> (fused name, shard index).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    folder = Path(folder)
+    args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args, dtype)
+    model = model.to_empty(device=device).to(dtype)
+    cos, sin = rope_tables(args, dtype)  # buffers were on meta: compute them for real
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    if args.tie_word_embeddings:  # to_empty() unties shared parameters
+        model.lm_head.weight = model.embed_tokens.weight
+    _load_weights(model, folder)
+    return model.eval()
+
+
+def _load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+    args, params = model.args, dict(model.named_parameters())
+    q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    # Shards are stacked along the output dim: q, k, v (or gate, up) in that order.
+    shard_sizes = {
+        "qkv_proj": [q_size, kv_size, kv_size],
+        "gate_up_proj": [args.intermediate_size, args.intermediate_size],
+    }
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                target, shard = _target(name.removeprefix("model."))
+                if target not in params:
+                    logger.debug("ignoring checkpoint tensor %s", name)
+                    continue
+                param = params[target].data
+                if shard is not None:
+                    sizes = shard_sizes[target.split(".")[-2]]
+                    param = param[sum(sizes[:shard]) : sum(sizes[: shard + 1])]
+                param.copy_(f.get_tensor(name))
+                loaded.add(target)
+    missing = set(params) - loaded - ({"lm_head.weight"} if args.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    """Our parameter name for a checkpoint tensor, and its shard index if fused."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    if proj in _FUSED:
+        fused, shard = _FUSED[proj]
+        return f"{parent}.{fused}.{leaf}", shard
+    return name, None
