@@ -1,0 +1,86 @@
+"""`create_app(settings)`: the api tier's FastAPI app (SGLang's http_server over Redis).
+
+Construction does no I/O. The lifespan connects Redis (unless one is injected), loads the
+tokenizer and model facts (unless a tokenizer is injected), starts the TokenizerManager and its
+one result listener, and closes them on exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api.errors import install_error_handlers
+from api.model import Tokenizer, load_model_info
+from api.routes import router
+from api.tokenizer_manager import TokenizerManager
+from shared.config import Settings
+from shared.redis_conn import connect
+
+logger = logging.getLogger(__name__)
+
+# Bodies above this get a 413 before anything parses them (uvicorn has no limit of its own).
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def create_app(
+    settings: Settings,
+    *,
+    redis: aioredis.Redis | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> FastAPI:
+    """The api app. `redis` and `tokenizer` are injected by tests (and left open on exit)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if redis is None and not settings.redis_url:
+            raise RuntimeError("the api tier needs a Redis URL (REDSERVE_REDIS_URL)")
+        model = await asyncio.to_thread(load_model_info, settings, tokenizer)
+        client = redis if redis is not None else connect(settings.redis_url)
+        manager = TokenizerManager(settings, client, model)
+        await manager.start()
+        app.state.manager = manager
+        logger.info("api %s ready (model %s)", settings.api.api_id, model.served_model_name)
+        try:
+            yield
+        finally:
+            app.state.manager = None
+            await manager.close()
+            if redis is None:
+                await client.aclose()
+
+    app = FastAPI(
+        title="redserve",
+        summary="LLM inference over Redis",
+        lifespan=lifespan,
+        max_body_size=MAX_BODY_BYTES,
+    )
+    app.state.settings = settings
+    app.state.manager = None
+    install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(JsonBodyByDefault)
+    return app
+
+
+class JsonBodyByDefault:
+    """Treat a POST body as JSON when the client did not say otherwise.
+
+    `curl -d '{...}'` sends `application/x-www-form-urlencoded`; every body this API takes is
+    JSON, so such a request is read as JSON instead of failing validation."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT"):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            original = dict(scope["headers"]).get(b"content-type", b"")
+            if not original or original.startswith(b"application/x-www-form-urlencoded"):
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)

@@ -1,0 +1,100 @@
+"""The api process's ONE subscription: `out:{api_id}` (TextBatch from the detokenizers).
+
+Decodes each message and hands it to `on_message` (the TokenizerManager's type dispatcher).
+Garbage is logged and dropped; a lost connection is retried with backoff, and because
+pub/sub may drop messages meanwhile, receivers rely on `seq`, never on exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared import protocol
+
+logger = logging.getLogger(__name__)
+
+_BACKOFF_MIN_S = 0.1
+_BACKOFF_MAX_S = 5.0
+_POLL_S = 1.0
+
+
+class ResultListener:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        channel: str,
+        on_message: Callable[[Any], None],
+    ) -> None:
+        self.redis = redis
+        self.channel = channel
+        self.on_message = on_message
+        self.num_received = 0
+        self.num_dropped = 0
+        self._subscribed = asyncio.Event()
+        self._first_attempt = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def subscribed(self) -> bool:
+        return self._subscribed.is_set()
+
+    async def start(self, timeout_s: float = 5.0) -> None:
+        """Start listening; wait until the first subscribe attempt succeeded or failed."""
+        self._task = asyncio.create_task(self._run(), name=f"result-listener:{self.channel}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._first_attempt.wait(), timeout_s)
+        if not self.subscribed:
+            logger.warning("not subscribed to %s yet; retrying in the background", self.channel)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        backoff = _BACKOFF_MIN_S
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                self._subscribed.set()
+                self._first_attempt.set()
+                logger.info("subscribed to %s", self.channel)
+                backoff = _BACKOFF_MIN_S
+                while True:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
+                    if msg is not None and msg.get("type") == "message":
+                        self.handle(msg["data"])
+            except (RedisError, OSError) as e:
+                logger.warning("subscription to %s failed: %s; retry in %.1fs", self.channel, e,
+                               backoff)  # fmt: skip
+            finally:
+                self._subscribed.clear()
+                self._first_attempt.set()
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def handle(self, data: bytes) -> None:
+        """Decode one message and dispatch it; a bad message never stops the listener."""
+        try:
+            msg = protocol.decode(data, protocol.OutputMessage)
+        except (msgspec.DecodeError, protocol.ProtocolVersionError, TypeError) as e:
+            self.num_dropped += 1
+            logger.warning("dropping undecodable message on %s: %s", self.channel, e)
+            return
+        self.num_received += 1
+        try:
+            self.on_message(msg)
+        except Exception:
+            logger.exception("failed to dispatch a %s message", type(msg).__name__)

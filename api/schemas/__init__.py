@@ -1,0 +1,1 @@
+"""Pydantic models of the HTTP edge (the only pydantic request/response models in redserve)."""

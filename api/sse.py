@@ -1,0 +1,38 @@
+"""Server-sent events: `data: {json}\n\n` chunks and the `data: [DONE]\n\n` terminator."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi.responses import StreamingResponse
+
+from api.errors import ClientDisconnected
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: Any) -> bytes:
+    """One SSE event; `payload` is JSON text/bytes or an object msgspec can encode."""
+    if isinstance(payload, str):
+        payload = payload.encode()
+    elif not isinstance(payload, bytes):
+        payload = msgspec.json.encode(payload)
+    return b"data: " + payload + b"\n\n"
+
+
+async def _until_disconnect(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except ClientDisconnected:
+        return  # nobody is listening: not even [DONE]
+
+
+def response(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(
+        _until_disconnect(chunks),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

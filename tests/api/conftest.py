@@ -1,0 +1,82 @@
+"""Fixtures of the api tests: the app on fakeredis with its lifespan running, an ASGI client,
+the real SmolLM2 tokenizer, and a fake back end that answers jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import fakeredis
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from api.app import create_app
+from shared.config import ApiSettings, Settings
+from shared.keys import Keys
+from tests.api.backend import FakeBackend
+
+API_ID = "api-test"
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture
+def settings(model_path: str, keys: Keys) -> Settings:
+    return Settings(
+        model=model_path,
+        key_prefix=keys.prefix,
+        api=ApiSettings(api_id=API_ID, disconnect_check_s=0.02, request_timeout_s=30.0),
+    )
+
+
+@pytest.fixture
+async def app(
+    settings: Settings, fake_redis: aioredis.Redis, tokenizer: Any
+) -> AsyncIterator[FastAPI]:
+    app = create_app(settings, redis=fake_redis, tokenizer=tokenizer)
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        yield c
+
+
+@pytest.fixture
+async def backend(
+    fake_server: fakeredis.FakeServer, keys: Keys, tokenizer: Any
+) -> AsyncIterator[FakeBackend]:
+    r = fakeredis.FakeAsyncRedis(server=fake_server)  # its own "process" connection
+    fake = FakeBackend(r, keys, tokenizer)
+    task = asyncio.create_task(fake.run())
+    yield fake
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await r.aclose()
+
+
+async def wait_until(cond: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not await cond():
+            await asyncio.sleep(0.01)
+
+
+def sse_events(body: str) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing on the way."""
+    assert body.endswith("\n\n")
+    events = body.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e.removeprefix("data: ") for e in events]
