@@ -36,6 +36,31 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=F
     seed: int | None = None
     # Checked by the scheduler on decoded tails so that a match finishes the request there.
     stop: list[str] = []
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] = {}
+
+
+class LogprobRequest(msgspec.Struct, omit_defaults=True):
+    """What logprobs to compute (SGLang's return_logprob family)."""
+
+    # First prompt position whose logprob is returned; -1 = output tokens only.
+    start_len: int = -1
+    top_n: int = 0  # top-k logprobs per position
+    token_ids: list[int] = []  # logprobs of these ids at every position
+
+
+class Logprobs(msgspec.Struct, omit_defaults=True):
+    """Logprobs for a run of positions (output: the entry's new tokens; input: the prompt
+    from start_len). Lists are per position; top/ids lists are empty when not requested."""
+
+    token_logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    requested_logprobs: list[list[float]] = []  # in LogprobRequest.token_ids order
 
 
 class DetokParams(msgspec.Struct, omit_defaults=True):
@@ -68,6 +93,9 @@ class GenerateJob(msgspec.Struct, tag="generate", omit_defaults=True):
     detok: DetokParams
     created_at: float = 0.0
     v: int = PROTOCOL_VERSION
+    logprobs: LogprobRequest | None = None
+    # Embedding job: prefill only, the finish entry carries the pooled last hidden state.
+    embed: bool = False
 
 
 class TokenEntry(msgspec.Struct, omit_defaults=True):
@@ -82,6 +110,9 @@ class TokenEntry(msgspec.Struct, omit_defaults=True):
     cached_tokens: int = 0
     # Sent with a request's first entry of an epoch (seq 0 or after a reclaim).
     detok: DetokParams | None = None
+    output_logprobs: Logprobs | None = None  # one position per token_ids element
+    input_logprobs: Logprobs | None = None  # on the request's first entry only
+    embedding: list[float] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens", omit_defaults=True):
@@ -102,6 +133,9 @@ class TextEntry(msgspec.Struct, omit_defaults=True):
     completion_tokens: int
     finish: FinishReason | None = None
     cached_tokens: int = 0
+    output_logprobs: Logprobs | None = None
+    input_logprobs: Logprobs | None = None
+    embedding: list[float] | None = None
 
 
 class TextBatch(msgspec.Struct, tag="text", omit_defaults=True):
