@@ -111,7 +111,9 @@ def up(settings: Settings) -> None:
     def on_signal(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
+    # Explicit for SIGINT too: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         procs = start_tiers(settings)
         if wait_healthy(settings, procs):
