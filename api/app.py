@@ -13,9 +13,9 @@ from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import install_error_handlers
+from api.middleware import EdgeGuard
 from api.model import Tokenizer, load_model_info
 from api.routes import router
 from api.tokenizer_manager import TokenizerManager
@@ -23,9 +23,6 @@ from shared.config import Settings
 from shared.redis_conn import connect
 
 logger = logging.getLogger(__name__)
-
-# Bodies above this get a 413 before anything parses them (uvicorn has no limit of its own).
-MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 def create_app(
@@ -58,29 +55,13 @@ def create_app(
         title="redserve",
         summary="LLM inference over Redis",
         lifespan=lifespan,
-        max_body_size=MAX_BODY_BYTES,
     )
     app.state.settings = settings
     app.state.manager = None
     install_error_handlers(app)
     app.include_router(router)
-    app.add_middleware(JsonBodyByDefault)
+    # uvicorn has no body limit of its own: EdgeGuard's 413 is the only one.
+    app.add_middleware(
+        EdgeGuard, api_keys=settings.api.api_keys, max_body_bytes=settings.api.max_body_bytes
+    )
     return app
-
-
-class JsonBodyByDefault:
-    """Treat a POST body as JSON when the client did not say otherwise.
-
-    `curl -d '{...}'` sends `application/x-www-form-urlencoded`; every body this API takes is
-    JSON, so such a request is read as JSON instead of failing validation."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT"):
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            original = dict(scope["headers"]).get(b"content-type", b"")
-            if not original or original.startswith(b"application/x-www-form-urlencoded"):
-                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)

@@ -59,6 +59,15 @@ class ClientDisconnected(ApiError):
     status_code = 499
 
 
+class BodyError(StarletteHTTPException):
+    """A body that cannot be read (too large, not JSON, not finite, not Unicode). Raised while
+    FastAPI reads the body, which re-raises HTTP exceptions as they are."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None) -> None:
+        super().__init__(status_code=status_code, detail=message)
+        self.param = param
+
+
 def _openai_type(status_code: int) -> str:
     if status_code >= 500:
         return "server_error"
@@ -72,6 +81,30 @@ def _safe(message: str) -> str:
     return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def error_body(
+    path: str,
+    status_code: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    openai: bool = False,
+) -> dict[str, Any]:
+    """SGLang's `{"error": {"message"}}`, or OpenAI's envelope on /v1 (or when asked)."""
+    message = _safe(message)
+    param = _safe(param) if param is not None else None
+    if openai or path.startswith("/v1/"):
+        return {
+            "error": {
+                "message": message,
+                "type": _openai_type(status_code),
+                "param": param,
+                "code": code,
+            }
+        }
+    return {"error": {"message": message}}
+
+
 def error_response(
     request: Request,
     status_code: int,
@@ -80,19 +113,7 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
 ) -> JSONResponse:
-    message = _safe(message)
-    body: dict[str, Any]
-    if request.url.path.startswith("/v1/"):
-        body = {
-            "error": {
-                "message": message,
-                "type": _openai_type(status_code),
-                "param": param,
-                "code": code,
-            }
-        }
-    else:
-        body = {"error": {"message": message}}
+    body = error_body(request.url.path, status_code, message, param=param, code=code)
     return JSONResponse(body, status_code=status_code)
 
 
@@ -109,6 +130,9 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body" and not str(p).startswith("<")]
         param = ".".join(loc) or None
         first_param = first_param or param
+        if err.get("type") == "finite_number":
+            parts.append(f"{param or 'a number'} must be a finite number")
+            continue
         msg = str(err.get("msg", "invalid value"))
         for prefix in ("Value error, ", "Assertion failed, "):
             msg = msg.removeprefix(prefix)
@@ -131,7 +155,8 @@ async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return error_response(request, exc.status_code, str(exc.detail))
+    param = exc.param if isinstance(exc, BodyError) else None
+    return error_response(request, exc.status_code, str(exc.detail), param=param)
 
 
 async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:

@@ -4,34 +4,53 @@ TokenizerManager tracks per rid (ReqState), and what a waiter hands back (ReqOut
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.logprobs import LogprobLog
 from shared import protocol
+
+logger = logging.getLogger(__name__)
+
+# A cross-encoder input: (query, document).
+TextPair = tuple[str, str]
 
 
 @dataclass
 class GenerateReq:
-    """One generation request after HTTP parsing, before tokenization."""
+    """One generation (or embedding) request after HTTP parsing, before tokenization."""
 
     rid: str
-    prompt: str | list[int]
+    prompt: str | list[int] | TextPair
     sampling: protocol.SamplingParams  # its max_new_tokens is replaced by `max_new_tokens`
     max_new_tokens: int | None  # None = whatever the context leaves after the prompt
     stream: bool = False
+    # Stream deltas only: the cumulative text is never built (OpenAI streams, and /generate
+    # under --incremental-streaming-output).
+    incremental: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    logprobs: protocol.LogprobRequest | None = None
+    return_text_in_logprobs: bool = False
+    embed: bool = False
+    openai: bool = False  # errors in OpenAI's words (context length)
+    # Set by tokenization.
+    input_ids: list[int] = field(default_factory=list, repr=False)
+    token_type_ids: list[int] | None = field(default=None, repr=False)
 
 
 @dataclass
 class ReqState:
     """Everything the api holds for one live rid (SGLang's ReqState).
 
-    The listener appends text deltas to `out_list` and ids to `output_ids`, then sets `event`;
-    the waiter drains `out_list` into `text`. `last_output_offset` counts the ids already
-    handed to the client; `epoch`/`next_seq` drop stale owners and duplicates."""
+    The listener appends text deltas to `out_list`, ids to `output_ids` (and logprobs to
+    `logprobs`, one position per id), then sets `event`; the waiter drains `out_list`.
+    Nothing cumulative is copied per step: `text` is built only for outputs that carry it,
+    and outputs refer to the append-only lists by offsets. `epoch`/`next_seq` drop stale
+    owners and duplicates."""
 
     obj: GenerateReq
     index: int  # position in its batch
@@ -51,10 +70,43 @@ class ReqState:
     finish_reason: protocol.FinishReason | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: LogprobLog | None = None
+    embedding: list[float] | None = None
+    num_outputs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.obj.logprobs is not None and self.logprobs is None:
+            self.logprobs = LogprobLog()
 
     @property
     def rid(self) -> str:
         return self.obj.rid
+
+    def accept(self, entry: protocol.TextEntry) -> bool:
+        """Take one entry of the engine. Fenced by owner epoch and seq: a stale owner's
+        entries and duplicates are dropped (a duplicate's finish still counts), a gap is
+        logged and tolerated."""
+        if entry.epoch < self.epoch:
+            logger.info("dropping stale epoch rid=%s epoch=%d<%d", entry.rid, entry.epoch,
+                        self.epoch)  # fmt: skip
+            return False
+        self.epoch = entry.epoch
+        expected = self.next_seq
+        if entry.seq < expected:
+            logger.debug("duplicate rid=%s seq=%d<%d", entry.rid, entry.seq, expected)
+            return entry.finish is not None
+        if entry.seq > expected:  # pub/sub lost a message (DESIGN §4.4)
+            logger.warning("gap rid=%s expected seq=%d got %d", entry.rid, expected, entry.seq)
+        self.out_list.append(entry.text)
+        self.output_ids.extend(entry.token_ids)
+        self.next_seq = entry.seq + len(entry.token_ids)
+        if self.logprobs is not None:
+            self.logprobs.extend(entry.output_logprobs, len(entry.token_ids))
+            if entry.input_logprobs is not None and self.logprobs.input is None:
+                self.logprobs.input = entry.input_logprobs
+        if entry.embedding is not None:
+            self.embedding = entry.embedding
+        return True
 
     def finish(self, reason: protocol.FinishReason) -> None:
         self.finished = True
@@ -64,41 +116,64 @@ class ReqState:
         self.event.set()
 
     def take_output(self) -> ReqOutput:
-        """Drain the pending deltas into one output (cumulative text/ids plus the delta)."""
+        """Drain the pending deltas into one output (the delta, the cumulative text unless
+        the request streams incrementally, and offsets into the id and logprob lists)."""
         delta = "".join(self.out_list)
         self.out_list.clear()
-        self.text += delta
-        new_ids = self.output_ids[self.last_output_offset :]
-        self.last_output_offset = len(self.output_ids)
-        end = self.finished_time if self.finished else time.time()
+        if not (self.obj.incremental and self.obj.stream):
+            self.text += delta
+        start, end = self.last_output_offset, len(self.output_ids)
+        self.last_output_offset = end
+        self.num_outputs += 1
+        finish_time = self.finished_time if self.finished else time.time()
         return ReqOutput(
-            rid=self.rid,
+            req=self.obj,
             index=self.index,
             text=self.text,
             delta=delta,
-            output_ids=list(self.output_ids),
-            new_ids=new_ids,
+            ids=self.output_ids,
+            start=start,
+            end=end,
+            first=self.num_outputs == 1,
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_tokens,
-            completion_tokens=max(self.completion_tokens, len(self.output_ids)),
+            completion_tokens=max(self.completion_tokens, end),
             cached_tokens=self.cached_tokens,
-            e2e_latency=end - self.created_time,
+            e2e_latency=finish_time - self.created_time,
+            logprobs=self.logprobs,
+            embedding=self.embedding,
         )
 
 
 @dataclass
 class ReqOutput:
-    rid: str
+    req: GenerateReq
     index: int
-    text: str  # cumulative
+    text: str  # cumulative ("" for incremental streams)
     delta: str  # new since this request's previous output
-    output_ids: list[int]  # cumulative
-    new_ids: list[int]
+    ids: list[int] = field(repr=False)  # the request's append-only output ids
+    start: int  # ids[start:end] are new in this output
+    end: int
+    first: bool  # the request's first output
     finish_reason: protocol.FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float
+    logprobs: LogprobLog | None = field(default=None, repr=False)
+    embedding: list[float] | None = field(default=None, repr=False)
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.ids[: self.end]
+
+    @property
+    def new_ids(self) -> list[int]:
+        return self.ids[self.start : self.end]
 
     @property
     def finished(self) -> bool:
@@ -122,6 +197,9 @@ class ReqOutput:
             "e2e_latency": round(self.e2e_latency, 6),
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        """SGLang's /generate output: {text, output_ids, meta_info}."""
+    def to_dict(self, incremental: bool = False) -> dict[str, Any]:
+        """SGLang's /generate output: {text, output_ids, meta_info}; with `incremental`, the
+        text and ids new in this output only."""
+        if incremental:
+            return {"text": self.delta, "output_ids": self.new_ids, "meta_info": self.meta_info()}
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info()}

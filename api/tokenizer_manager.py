@@ -1,26 +1,28 @@
-"""The api's TokenizerManager (SGLang's, over Redis): validate and tokenize requests, submit them
-(`rs:state:{rid}` + XADD `rs:req` in one pipeline), track them in `rid_to_state`, and hand each
-request's outputs to its waiter. Outputs arrive as TextBatch on `rs:out:{api_id}` through the
-one ResultListener; aborts go out as `rs:abort:{rid}` + an AbortRequests broadcast on `rs:ctl`.
-Every accepted request ends with exactly one terminal output (finish or abort)."""
+"""The api's TokenizerManager (SGLang's, over Redis): validate and tokenize requests, claim their
+rids fleet-wide (SET NX `rs:rid:{rid}`), submit them (`rs:state:{rid}` + XADD `rs:req` in one
+pipeline), track them in `rid_to_state`, and hand each request's outputs to its waiter.
+Outputs arrive as TextBatch on `rs:out:{api_id}` through the one ResultListener; aborts go out
+as `rs:abort:{rid}` + an AbortRequests broadcast on `rs:ctl`. Every accepted request ends with
+exactly one terminal output (finish or abort), and its rid claim is released."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from api.claims import RidClaims
 from api.errors import BadRequest, ClientDisconnected, ServiceUnavailable
+from api.logprobs import needed_token_ids
 from api.model import ModelInfo
-from api.req_state import GenerateReq, ReqOutput, ReqState
+from api.req_state import GenerateReq, ReqOutput, ReqState, TextPair
 from api.result_listener import ResultListener
+from api.tokenization import TextTokenizer
 from api.validation import build_job, check_chars
 from shared import protocol, request_state, request_stream
 from shared.config import Settings
@@ -50,9 +52,13 @@ class TokenizerManager:
             protocol.TextBatch: self._handle_batch_output,
         }
         self._tasks: set[asyncio.Task[None]] = set()
-        # Tokenization runs off the event loop, on one thread (as SGLang's batch tokenizer):
-        # a shared HF tokenizer is not safe to use from several threads at once.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.claims = RidClaims(redis, self.keys, self.api_id, self._spawn)
+        api = settings.api
+        self.tok = TextTokenizer(
+            model.tokenizer,
+            batch_size=api.tokenizer_batch_size,
+            timeout_s=api.tokenizer_batch_timeout_s,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -66,7 +72,7 @@ class TokenizerManager:
         await self.listener.stop()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=REDIS_TIMEOUT_S)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self.tok.close()
 
     async def is_healthy(self) -> bool:
         if not self.listener.subscribed:
@@ -91,20 +97,22 @@ class TokenizerManager:
     async def _generate(
         self, reqs: list[GenerateReq], request: Disconnectable | None
     ) -> AsyncGenerator[ReqOutput | None, None]:
-        tokenized = await self._tokenize(reqs)
-        jobs = [
-            build_job(req, ids, self.model, self.api_id)
-            for req, ids in zip(reqs, tokenized, strict=True)
-        ]
-        states = self._register(reqs, tokenized)
+        await self._tokenize(reqs)
+        jobs = [build_job(req, req.input_ids, self.model, self.api_id) for req in reqs]
+        self._check_local_duplicates(reqs)
+        await self.claims.claim([req.rid for req in reqs])
+        # From here on the rids are claimed: every exit releases them.
+        states = self._register(reqs)
         try:
             await self._submit(jobs)
         except ServiceUnavailable:
             for state in states:
                 self.rid_to_state.pop(state.rid, None)
+            self.claims.release_soon([s.rid for s in states], [])
             raise
         except BaseException:  # cancelled mid-submission: the job may be queued, abort it
             self._abort_soon([s.rid for s in states], "Cancelled during submission.")
+            self.claims.release_soon([], [s.rid for s in states])
             raise
         try:
             yield None
@@ -118,52 +126,49 @@ class TokenizerManager:
             unfinished = [s.rid for s in states if not s.finished]
             if unfinished:
                 self._abort_soon(unfinished, "The client stopped waiting for the request.")
+            done = [s.rid for s in states if s.finished and not _aborted(s)]
+            self.claims.release_soon(done, [s.rid for s in states if s.rid not in done])
 
     async def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Token ids of `messages` through the tokenizer's chat template (off the event loop)."""
-        num_chars = sum(len(str(m.get("content") or "")) for m in messages)
-        check_chars(num_chars, self.model)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, functools.partial(self._render, messages, kwargs)
-        )
+        check_chars(sum(len(str(m.get("content") or "")) for m in messages), self.model)
+        return await self.tok.render_chat(messages, kwargs)
 
-    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
-        tokenizer = self.model.tokenizer
-        try:
-            prompt = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-            # The template already placed the special tokens (BOS and friends).
-            return list(tokenizer.encode(str(prompt), add_special_tokens=False))
-        except Exception as e:  # jinja errors ("roles must alternate", ...) are the client's
-            raise BadRequest(f"Could not apply the chat template: {e}", param="messages") from e
-
-    # -- tokenization and submission ------------------------------------------------------
-    async def _tokenize(self, reqs: list[GenerateReq]) -> list[list[int]]:
-        texts = [r.prompt for r in reqs if isinstance(r.prompt, str)]
+    # -- tokenization, claims and submission ------------------------------------------------
+    async def _tokenize(self, reqs: list[GenerateReq]) -> None:
+        """Set each request's input_ids: one tokenizer call for the distinct texts (a lone
+        text goes through the dynamic batch tokenizer), one for the distinct pairs."""
+        texts = list(dict.fromkeys(r.prompt for r in reqs if isinstance(r.prompt, str)))
+        pairs = list(dict.fromkeys(r.prompt for r in reqs if isinstance(r.prompt, tuple)))
         for text in texts:
             check_chars(len(text), self.model)
-        encoded: list[list[int]] = []
-        if texts:
-            loop = asyncio.get_running_loop()
-            encoded = await loop.run_in_executor(self._executor, self._encode_all, texts)
-        it = iter(encoded)
-        return [next(it) if isinstance(r.prompt, str) else r.prompt for r in reqs]
+        for query, doc in pairs:
+            check_chars(len(query) + len(doc), self.model)
+        by_text = dict(zip(texts, await self.tok.encode_batch(texts), strict=True)) if texts else {}
+        by_pair: dict[TextPair, tuple[list[int], list[int]]] = {}
+        if pairs:
+            enc = await self.tok.encode_pairs(pairs)
+            for pair, ids, types in zip(pairs, enc.input_ids, enc.token_type_ids, strict=True):
+                by_pair[pair] = (ids, types)
+        for req in reqs:
+            if isinstance(req.prompt, str):
+                req.input_ids = by_text[req.prompt]
+            elif isinstance(req.prompt, tuple):
+                req.input_ids, req.token_type_ids = by_pair[req.prompt]
+            else:
+                req.input_ids = list(req.prompt)
 
-    def _encode_all(self, texts: list[str]) -> list[list[int]]:
-        try:
-            return [list(self.model.tokenizer.encode(text)) for text in texts]
-        except Exception as e:
-            raise BadRequest(f"Could not tokenize the input: {type(e).__name__}") from e
-
-    def _register(self, reqs: list[GenerateReq], tokenized: list[list[int]]) -> list[ReqState]:
+    def _check_local_duplicates(self, reqs: list[GenerateReq]) -> None:
         seen: set[str] = set()
         for req in reqs:
             if req.rid in self.rid_to_state or req.rid in seen:
                 raise BadRequest(f"Duplicate request ID detected: {req.rid}", param="rid")
             seen.add(req.rid)
+
+    def _register(self, reqs: list[GenerateReq]) -> list[ReqState]:
         states = [
-            ReqState(obj=req, index=i, prompt_tokens=len(ids))
-            for i, (req, ids) in enumerate(zip(reqs, tokenized, strict=True))
+            ReqState(obj=req, index=i, prompt_tokens=len(req.input_ids))
+            for i, req in enumerate(reqs)
         ]
         # Registered before the XADD: a fast worker may answer before execute() returns.
         for state in states:
@@ -185,9 +190,17 @@ class TokenizerManager:
             raise ServiceUnavailable("The request queue (Redis) is unavailable.") from e
         for job in jobs:
             logger.info(
-                "submitted rid=%s prompt_tokens=%d max_new_tokens=%d",
-                job.rid, len(job.input_ids), job.sampling.max_new_tokens,
+                "submitted rid=%s prompt_tokens=%d max_new_tokens=%d embed=%s",
+                job.rid, len(job.input_ids), job.sampling.max_new_tokens, job.embed,
             )  # fmt: skip
+
+    async def request_info(self, rid: str) -> dict[str, str]:
+        """The durable state of `rid` (any replica's request) from Redis; {} if unknown."""
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                return await request_state.get(self.redis, self.keys, rid)
+        except (RedisError, OSError, TimeoutError) as e:
+            raise ServiceUnavailable("Redis is unavailable.") from e
 
     # -- waiting ---------------------------------------------------------------------------
     async def _wait_one_response(
@@ -204,13 +217,20 @@ class TokenizerManager:
                 continue
             state.event.clear()
             if state.finished:
-                yield state.take_output()
+                yield await self._ready(state.take_output())
                 return
             if state.obj.stream:
-                yield state.take_output()
+                yield await self._ready(state.take_output())
             if time.monotonic() - last_check >= check_s:
                 await self._check_alive(state, request)
                 last_check = time.monotonic()
+
+    async def _ready(self, out: ReqOutput) -> ReqOutput:
+        """Decode (off the loop) the token texts that the output's logprobs will show."""
+        req = out.req
+        if out.logprobs is not None and (req.return_text_in_logprobs or req.openai):
+            await self.tok.ensure_token_texts(needed_token_ids(out))
+        return out
 
     async def _check_alive(self, state: ReqState, request: Disconnectable | None) -> None:
         if request is not None and await request.is_disconnected():
@@ -306,13 +326,19 @@ class TokenizerManager:
     def _abort_soon(self, rids: list[str], message: str) -> None:
         """Abort from code that must not await (finally blocks of cancelled generators)."""
         logger.info("aborting %d requests rid=%s: %s", len(rids), rids[0], message)
+        if not self._spawn(self._abort_and_finish(rids, message)):
+            self._finish_locally(rids, message, None)  # no loop any more: local cleanup only
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> bool:
+        """Run `coro` in the background (awaited on close); False when there is no loop."""
         try:
-            task = asyncio.get_running_loop().create_task(self._abort_and_finish(rids, message))
-        except RuntimeError:  # no running loop (interpreter shutdown): local cleanup only
-            self._finish_locally(rids, message, None)
-            return
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return False
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
 
     # -- results (called by the listener) --------------------------------------------------
     def dispatch(self, msg: Any) -> None:
@@ -326,7 +352,7 @@ class TokenizerManager:
         now = time.time()
         for entry in batch.entries:
             state = self.rid_to_state.get(entry.rid)
-            if state is None or not _accept(state, entry):
+            if state is None or not state.accept(entry):
                 continue  # not ours (finished, aborted, another replica's), stale or duplicate
             if entry.token_ids and not state.first_token_time:
                 state.first_token_time = now
@@ -344,24 +370,8 @@ class TokenizerManager:
             )  # fmt: skip
 
 
-def _accept(state: ReqState, entry: protocol.TextEntry) -> bool:
-    """Fence by owner epoch and seq: a stale owner's entries and duplicates are dropped (a
-    duplicate's finish still counts), a gap is logged and tolerated."""
-    if entry.epoch < state.epoch:
-        logger.info("dropping stale epoch rid=%s epoch=%d<%d", entry.rid, entry.epoch,
-                    state.epoch)  # fmt: skip
-        return False
-    state.epoch = entry.epoch
-    expected = state.next_seq
-    if entry.seq < expected:
-        logger.debug("duplicate rid=%s seq=%d<%d", entry.rid, entry.seq, expected)
-        return entry.finish is not None
-    if entry.seq > expected:  # pub/sub lost a message (DESIGN §4.4)
-        logger.warning("gap rid=%s expected seq=%d got %d", entry.rid, expected, entry.seq)
-    state.out_list.append(entry.text)
-    state.output_ids.extend(entry.token_ids)
-    state.next_seq = entry.seq + len(entry.token_ids)
-    return True
+def _aborted(state: ReqState) -> bool:
+    return state.finish_reason is None or state.finish_reason.type == "abort"
 
 
 async def _last(gen: AsyncGenerator[ReqOutput, None]) -> ReqOutput:

@@ -16,7 +16,7 @@ from shared.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
 
-# flag -> (path in Settings, type, help)
+# flag -> (path in Settings, type, help); `list` flags repeat, `bool` flags take no value.
 _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model", str, "HF folder, .gguf file or hub id (default: packaged SmolLM2)"),
     "--redis-url": ("redis_url", str, "use this Redis instead of an embedded one"),
@@ -28,9 +28,21 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--port": ("api.port", int, "api port (default 30000)"),
     "--api-id": ("api.api_id", str, "name of this api replica"),
     "--served-model-name": ("api.served_model_name", str, "model name shown on /v1"),
+    "--api-key": ("api.api_keys", list, "require this Bearer key (repeat for several)"),
+    "--max-body-bytes": ("api.max_body_bytes", int, "larger request bodies get a 413"),
+    "--incremental-streaming-output": (
+        "api.incremental_streaming_output",
+        bool,
+        "/generate streams deltas instead of cumulative text",
+    ),
     "--device": ("scheduler.device", str, "cpu or cuda"),
     "--dtype": ("scheduler.dtype", str, "float32, bfloat16 or float16"),
-    "--kv-cache-tokens": ("scheduler.kv_cache_tokens", int, "KV cache capacity in tokens"),
+    "--kv-memory-fraction": (
+        "scheduler.kv_memory_fraction",
+        float,
+        "share of the free memory the KV cache takes (default 0.3)",
+    ),
+    "--kv-cache-tokens": ("scheduler.kv_cache_tokens", int, "cap on the KV cache, in tokens"),
     "--max-num-seqs": ("scheduler.max_num_seqs", int, "max requests in one batch"),
     "--max-num-batched-tokens": ("scheduler.max_num_batched_tokens", int, "token budget"),
     "--worker-id": ("scheduler.worker_id", str, "name of this scheduler replica"),
@@ -47,14 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
         ("scheduler", "a scheduler worker (model + continuous batching)"),
         ("detokenizer", "a detokenizer worker"),
     ]:
-        p = sub.add_parser(name, help=help_text)
-        for flag, (_path, typ, flag_help) in _FLAGS.items():
-            p.add_argument(flag, type=typ, default=None, help=flag_help)
+        _add_flags(sub.add_parser(name, help=help_text))
     health = sub.add_parser("health", help="exit 0 when this host's tier is alive (for compose)")
     health.add_argument("tier", choices=["api", "scheduler"])
-    for flag, (_path, typ, flag_help) in _FLAGS.items():
-        health.add_argument(flag, type=typ, default=None, help=flag_help)
+    _add_flags(health)
     return parser
+
+
+def _add_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, (_path, typ, flag_help) in _FLAGS.items():
+        if typ is list:
+            parser.add_argument(flag, action="append", default=None, help=flag_help)
+        elif typ is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=flag_help)
+        else:
+            parser.add_argument(flag, type=typ, default=None, help=flag_help)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -28,6 +28,20 @@ class ApiSettings(BaseModel):
     disconnect_check_s: float = 0.5
     # A request that has seen no output for this long fails with a 504 instead of hanging.
     request_timeout_s: float = 600.0
+    # Bearer keys accepted on every route but /health; empty = no authentication.
+    api_keys: list[str] = Field(default_factory=list)
+    # Request bodies above this many bytes get a 413 while they are still being received.
+    max_body_bytes: int = 8 * 1024 * 1024
+    # Streaming /generate chunks carry only what is new (SGLang's --incremental-streaming-output)
+    # instead of the cumulative text, ids and logprobs.
+    incremental_streaming_output: bool = False
+    # Caps on parallel sampling (`n`) and on top logprobs per position.
+    max_n: int = 16
+    max_top_logprobs: int = 20
+    # Dynamic batch tokenizer: concurrent single-text requests share one tokenizer call of at
+    # most this many texts, gathered for at most this long once a second one is waiting.
+    tokenizer_batch_size: int = 32
+    tokenizer_batch_timeout_s: float = 0.002
 
 
 class SchedulerSettings(BaseModel):
@@ -35,10 +49,17 @@ class SchedulerSettings(BaseModel):
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
-    # Total KV cache blocks; 0 = size from kv_cache_tokens.
+    # The KV cache takes kv_memory_fraction of the memory available once the weights are
+    # loaded (CPU: RAM within the cgroup limit; CUDA: free GPU memory), capped at
+    # num_kv_blocks blocks, or else at kv_cache_tokens tokens (0 = no cap).
+    kv_memory_fraction: float = 0.3
     num_kv_blocks: int = 0
-    kv_cache_tokens: int = 16384
+    kv_cache_tokens: int = 0
+    # Reuse the KV blocks of prompt prefixes seen before (block hashing, LRU eviction).
+    enable_prefix_caching: bool = True
     max_num_seqs: int = 64
+    # Tokens computed in one step, decodes and prefill chunks together: a running stream
+    # waits at most one such step for its next token while long prompts are prefilled.
     max_num_batched_tokens: int = 4096
     num_threads: int = 0  # 0 = torch default
     # Block for new jobs at most this long when idle.

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 STATE_TTL_S = 3600  # request state and id log, after the request finished
 LIVE_STATE_TTL_S = 86400  # upper bound while a request is still running
 ABORT_TTL_S = 600
+# A claimed request id is held while its request may run, then released on finish (aborted
+# ones keep it as long as their abort marker, so the rid cannot be reused under a live abort).
+RID_CLAIM_TTL_S = LIVE_STATE_TTL_S
 HEARTBEAT_TTL_S = 10
 HEARTBEAT_EVERY_S = 2.0
 
@@ -53,6 +56,10 @@ class Keys:
     def ids(self, rid: str) -> str:
         """List of generated token ids (RPUSH per step): the durable output log."""
         return f"{self.prefix}:ids:{rid}"
+
+    def rid_claim(self, rid: str) -> str:
+        """String (SET NX): the api replica that claimed `rid`; makes rids unique fleet-wide."""
+        return f"{self.prefix}:rid:{rid}"
 
     def abort(self, rid: str) -> str:
         """Exists while `rid` is aborted (written before any local state is dropped)."""

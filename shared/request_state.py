@@ -1,5 +1,8 @@
 """The only module that touches per-request keys: state hash, id log, abort marker.
 
+Request ids are unique fleet-wide: the api claims `rid:{rid}` (SET NX) before it creates any
+state, and releases the claim when the request ends.
+
 State hash fields (all strings): status (queued|running|finished|aborted), api_id, worker,
 epoch, prompt_tokens, completion_tokens, cached_tokens, finish_reason (JSON), created_at,
 finished_at. Live requests carry a long TTL; finished ones a short one (keys.STATE_TTL_S).
@@ -14,9 +17,25 @@ import msgspec
 import redis.asyncio as aioredis
 
 from shared import protocol
-from shared.keys import ABORT_TTL_S, LIVE_STATE_TTL_S, STATE_TTL_S, Keys
+from shared.keys import ABORT_TTL_S, LIVE_STATE_TTL_S, RID_CLAIM_TTL_S, STATE_TTL_S, Keys
 
 Pipe = aioredis.client.Pipeline
+
+
+def claim(pipe: Pipe, keys: Keys, rids: Iterable[str], api_id: str) -> None:
+    """Queue one SET NX per rid; a pipeline result that is not true means the rid is taken."""
+    for rid in rids:
+        pipe.set(keys.rid_claim(rid), api_id, nx=True, ex=RID_CLAIM_TTL_S)
+
+
+def release(pipe: Pipe, keys: Keys, finished: Iterable[str], aborted: Iterable[str]) -> None:
+    """Give claimed rids back: finished ones at once; aborted ones only when their abort
+    marker expires (a rid reused under a live marker would be aborted by the schedulers)."""
+    done = [keys.rid_claim(rid) for rid in finished]
+    if done:
+        pipe.delete(*done)
+    for rid in aborted:
+        pipe.expire(keys.rid_claim(rid), ABORT_TTL_S)
 
 
 def create(pipe: Pipe, keys: Keys, rid: str, api_id: str, prompt_tokens: int) -> None:

@@ -2,10 +2,8 @@
 
 from fastapi import APIRouter
 
-from api.routes import chat, completions, models, native
+from api.routes import chat, completions, embeddings, models, native, utility
 
 router = APIRouter()
-router.include_router(native.router)
-router.include_router(completions.router)
-router.include_router(chat.router)
-router.include_router(models.router)
+for module in (native, completions, chat, embeddings, models, utility):
+    router.include_router(module.router)

@@ -1,34 +1,39 @@
-"""OpenAI-compatible POST /v1/chat/completions (messages through the model's chat template)."""
+"""OpenAI-compatible POST /v1/chat/completions (messages through the model's chat template),
+`n` choices, logprobs, SSE with include_usage / continuous_usage_stats."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 
 from api import sse
 from api.deps import TokenizerManagerDep
 from api.inputs import (
-    chat_req,
+    chat_messages,
+    chat_reqs,
     chat_template_kwargs,
     matched_stop,
     openai_finish_reason,
     raise_for_error,
 )
+from api.logprobs import chat_logprobs
 from api.req_state import ReqOutput
-from api.routes.common import OpenAIHead, collect, stream_outputs, usage_of
+from api.routes.common import OpenAIHead, collect, make_router, stream_outputs, usage_of
 from api.schemas.openai import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
 )
+from api.tokenizer_manager import TokenizerManager
 
-router = APIRouter(tags=["openai"])
+router = make_router("openai")
 
 
 @router.post(
@@ -40,62 +45,79 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, tm: TokenizerManagerDep
 ) -> Response:
     """Answer a conversation; the prompt is the chat template with a generation prompt."""
-    messages = [m.template_dict() for m in body.messages]
+    messages = chat_messages(body)
     input_ids = await tm.render_chat(messages, **chat_template_kwargs(body))
-    req = chat_req(body, input_ids)
-    outputs = await tm.generate([req], request)
-    head = OpenAIHead(id=f"chatcmpl-{req.rid}", model=tm.model.served_model_name)
+    base, reqs = chat_reqs(body, input_ids, tm.settings.api)
+    outputs = await tm.generate(reqs, request)
+    head = OpenAIHead(id=f"chatcmpl-{base}", model=tm.model.served_model_name)
     if body.stream:
-        return sse.response(_stream(outputs, head, body))
+        return sse.response(_stream(outputs, head, body, tm, len(reqs)))
     results = await collect(outputs)
     raise_for_error(results)
-    out = results[0]
     response = ChatCompletionResponse(
         id=head.id,
         created=head.created,
         model=head.model,
         choices=[
             ChatChoice(
-                index=0,
+                index=out.index,
                 message=AssistantMessage(content=out.text),
+                logprobs=_logprobs(out, tm, 0),
                 finish_reason=openai_finish_reason(out),
                 matched_stop=matched_stop(out),
             )
+            for out in results
         ],
-        usage=usage_of(results),
+        usage=usage_of(results, len(reqs)),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
 
+def _logprobs(out: ReqOutput, tm: TokenizerManager, start: int) -> ChatLogprobs | None:
+    if out.logprobs is None:
+        return None
+    return ChatLogprobs(**chat_logprobs(out, tm.tok.token_texts, start))
+
+
 def _chunk(
-    head: OpenAIHead, delta: DeltaMessage, finish_reason: str | None, usage: UsageInfo | None
+    head: OpenAIHead,
+    choice: ChatStreamChoice,
+    usage: UsageInfo | None = None,
 ) -> bytes:
-    chunk = ChatCompletionChunk(
-        id=head.id,
-        created=head.created,
-        model=head.model,
-        choices=[ChatStreamChoice(index=0, delta=delta, finish_reason=finish_reason)],
-    )
+    chunk = ChatCompletionChunk(id=head.id, created=head.created, model=head.model,
+                                choices=[choice])  # fmt: skip
     if usage is not None:
         chunk.usage = usage
     return sse.event(chunk.model_dump_json())
 
 
 async def _stream(
-    outputs: AsyncGenerator[ReqOutput, None], head: OpenAIHead, body: ChatCompletionRequest
+    outputs: AsyncGenerator[ReqOutput, None],
+    head: OpenAIHead,
+    body: ChatCompletionRequest,
+    tm: TokenizerManager,
+    n: int,
 ) -> AsyncIterator[bytes]:
-    yield _chunk(head, DeltaMessage(role="assistant", content=""), None, None)
-    last: ReqOutput | None = None
+    for index in range(n):  # each choice opens with the assistant role
+        role = DeltaMessage(role="assistant", content="")
+        yield _chunk(head, ChatStreamChoice(index=index, delta=role))
+    latest: dict[int, ReqOutput] = {}
     async for out in stream_outputs(outputs):
-        last = out
-        if not out.delta and not out.finished:
+        latest[out.index] = out
+        if not out.delta and not out.finished and (out.logprobs is None or out.start == out.end):
             continue
-        delta = DeltaMessage(content=out.delta) if out.delta else DeltaMessage()
-        usage = usage_of([out]) if body.continuous_usage else None
-        yield _chunk(head, delta, openai_finish_reason(out), usage)
-    if body.include_usage and last is not None:
+        choice = ChatStreamChoice(
+            index=out.index,
+            delta=DeltaMessage(content=out.delta) if out.delta else DeltaMessage(),
+            logprobs=_logprobs(out, tm, out.start),
+            finish_reason=openai_finish_reason(out),
+        )
+        usage = usage_of(list(latest.values()), n) if body.continuous_usage else None
+        yield _chunk(head, choice, usage)
+    if body.include_usage and latest:
+        usage = usage_of(list(latest.values()), n)
         final = ChatCompletionChunk(
-            id=head.id, created=head.created, model=head.model, choices=[], usage=usage_of([last])
+            id=head.id, created=head.created, model=head.model, choices=[], usage=usage
         )
         yield sse.event(final.model_dump_json())
     yield sse.DONE

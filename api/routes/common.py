@@ -1,4 +1,4 @@
-"""Helpers shared by the routes: draining a request's outputs, OpenAI response heads."""
+"""Helpers shared by the routes: draining a request's outputs, OpenAI response heads, usage."""
 
 from __future__ import annotations
 
@@ -7,8 +7,16 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from fastapi import APIRouter
+
+from api.jsonbody import JsonRoute
 from api.req_state import ReqOutput
 from api.schemas.openai import UsageInfo
+
+
+def make_router(tag: str) -> APIRouter:
+    """A router whose routes read bodies as strict JSON (api.jsonbody)."""
+    return APIRouter(tags=[tag], route_class=JsonRoute)
 
 
 async def collect(outputs: AsyncGenerator[ReqOutput, None]) -> list[ReqOutput]:
@@ -35,8 +43,9 @@ class OpenAIHead:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def usage_of(outputs: list[ReqOutput]) -> UsageInfo:
-    prompt = sum(o.prompt_tokens for o in outputs)
+def usage_of(outputs: list[ReqOutput], n: int = 1) -> UsageInfo:
+    """Usage of a request's outputs; with n samples per prompt a prompt counts once."""
+    prompt = sum(o.prompt_tokens for o in outputs if o.index % n == 0)
     completion = sum(o.completion_tokens for o in outputs)
     return UsageInfo(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-
 from api.deps import ModelDep
 from api.errors import NotFound
 from api.model import ModelInfo
+from api.routes.common import make_router
 from api.schemas.openai import ModelCard, ModelList
 
-router = APIRouter(tags=["openai"])
+router = make_router("openai")
 
 
 def _card(model: ModelInfo) -> ModelCard:

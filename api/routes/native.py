@@ -1,47 +1,62 @@
-"""SGLang-native routes: /generate, /abort_request, /health, /get_model_info."""
+"""SGLang-native routes: /generate, /abort_request, /health, /get_model_info,
+/get_server_info."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
 from api import sse
 from api.deps import ModelDep, TokenizerManagerDep
 from api.errors import ServiceUnavailable
 from api.inputs import native_reqs, raise_for_error
+from api.logprobs import sglang_logprobs
 from api.req_state import ReqOutput
-from api.routes.common import collect, stream_outputs
+from api.routes.common import collect, make_router, stream_outputs
 from api.schemas.native import AbortRequestIn, GenerateRequest
+from api.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(tags=["native"])
+router = make_router("native")
 
 
 @router.post("/generate", response_model=None)
 @router.put("/generate", response_model=None, include_in_schema=False)
 async def generate(body: GenerateRequest, request: Request, tm: TokenizerManagerDep) -> Response:
-    """Generate from `text` or `input_ids` (single or batch); SSE when `stream` is true."""
-    reqs, is_single = native_reqs(body)
+    """Generate from `text` or `input_ids` (single or batch, `n` samples each); SSE when
+    `stream` is true: cumulative chunks, or deltas with --incremental-streaming-output."""
+    reqs, is_single = native_reqs(body, tm.settings.api)
     outputs = await tm.generate(reqs, request)
     if body.stream:
-        return sse.response(_stream(outputs, is_single))
+        return sse.response(_stream(outputs, is_single, tm))
     results = await collect(outputs)
     raise_for_error(results)
-    payload = [out.to_dict() for out in results]
+    payload = [native_output(out, tm) for out in results]
     return JSONResponse(payload[0] if is_single else payload)
 
 
+def native_output(out: ReqOutput, tm: TokenizerManager) -> dict[str, Any]:
+    """SGLang's {text, output_ids, meta_info} (with logprob fields when asked for)."""
+    incremental = out.req.incremental
+    chunk = out.to_dict(incremental)
+    if out.logprobs is not None:
+        chunk["meta_info"].update(sglang_logprobs(out, tm.tok.token_texts, incremental))
+    return chunk
+
+
 async def _stream(
-    outputs: AsyncGenerator[ReqOutput, None], is_single: bool
+    outputs: AsyncGenerator[ReqOutput, None], is_single: bool, tm: TokenizerManager
 ) -> AsyncIterator[bytes]:
-    # Chunks carry the cumulative text and output_ids (SGLang's default streaming output).
+    # Batch items' chunks interleave as they come (tagged with their index).
     async for out in stream_outputs(outputs):
-        chunk = out.to_dict()
+        chunk = native_output(out, tm)
         if not is_single:
             chunk["index"] = out.index
         yield sse.event(chunk)
@@ -82,3 +97,38 @@ async def get_model_info(model: ModelDep) -> dict[str, Any]:
         "model_type": model.model_type,
         "architectures": list(model.architectures),
     }
+
+
+@router.get("/get_server_info")
+async def get_server_info(tm: TokenizerManagerDep) -> dict[str, Any]:
+    """This replica's settings (secrets redacted), model and load (SGLang's server info)."""
+    settings = tm.settings.model_dump(mode="json")
+    settings["redis_url"] = redact_url(tm.settings.redis_url)
+    settings["api"]["api_keys"] = f"<{len(tm.settings.api.api_keys)} keys>"
+    return {
+        **settings,
+        "version": _version(),
+        "served_model_name": tm.model.served_model_name,
+        "model_path": tm.model.model_path,
+        "context_length": tm.model.context_length,
+        "vocab_size": tm.model.vocab_size,
+        "num_running_requests": len(tm.rid_to_state),
+        "tokenizer_calls": tm.tok.batcher.num_calls,
+    }
+
+
+def redact_url(url: str) -> str:
+    """A Redis URL without its password."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _version() -> str:
+    try:
+        return version("redserve")
+    except PackageNotFoundError:
+        return "unknown"

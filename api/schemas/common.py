@@ -3,12 +3,41 @@ one-or-many unions with readable errors, and the "accepted only at its neutral v
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Self, TypeVar
 
-from pydantic import AfterValidator, BaseModel, Discriminator, Field, StringConstraints, Tag
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StringConstraints,
+    Tag,
+    model_validator,
+)
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_MAX_LOGGED_FIELDS = 5
+
+
+class RequestBody(BaseModel):
+    """A request body: non-finite floats are refused, unknown fields are logged and dropped
+    (never forwarded to the engine)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _drop_unknown_fields(self) -> Self:
+        extra = self.__pydantic_extra__
+        if extra:
+            names = ", ".join(ascii(name)[:40] for name in list(extra)[:_MAX_LOGGED_FIELDS])
+            logger.warning("ignoring unknown fields of %s: %s", type(self).__name__, names)
+            extra.clear()
+        return self
 
 
 def _check_unicode(value: str) -> str:
@@ -73,6 +102,33 @@ PromptInput = Annotated[
     | Annotated[list[int], Tag("<ids>")]
     | Annotated[list[list[int]], Tag("<ids_batch>")],
     Discriminator(_prompt_shape),
+]
+
+
+def _embed_shape(value: Any) -> str:
+    if not isinstance(value, list):
+        return "<text>"
+    if value:
+        first = value[0]
+        if isinstance(first, int):
+            return "<ids>"
+        if isinstance(first, list):
+            return "<pairs>" if first and isinstance(first[0], str) else "<ids_batch>"
+    return "<texts>"
+
+
+# A cross-encoder input: [query, document].
+TextPairInput = Annotated[list[SafeStr], Field(min_length=2, max_length=2)]
+
+# What can be embedded or tokenized: str | list[str] | list[int] | list[list[int]] and
+# cross-encoder pairs [[query, doc], ...].
+EmbedInput = Annotated[
+    Annotated[SafeStr, Tag("<text>")]
+    | Annotated[list[SafeStr], Tag("<texts>")]
+    | Annotated[list[int], Tag("<ids>")]
+    | Annotated[list[list[int]], Tag("<ids_batch>")]
+    | Annotated[list[TextPairInput], Tag("<pairs>")],
+    Discriminator(_embed_shape),
 ]
 
 

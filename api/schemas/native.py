@@ -1,50 +1,44 @@
-"""SGLang-compatible native request bodies: /generate and /abort_request."""
+"""SGLang-compatible native request bodies: /generate, /encode, /tokenize, /detokenize and
+/abort_request. Types only: ranges and limits are checked in api.inputs and api.sampling,
+with SGLang's messages."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import model_validator
 
+from api.sampling import SamplingIn
 from api.schemas.common import (
+    EmbedInput,
     Int64,
     OneOrList,
+    RequestBody,
     Rid,
     SafeStr,
     TokenIdsInput,
     reject_present,
-    reject_unsupported,
 )
+from api.schemas.openai import ChatMessage
 
-# SGLang sampling parameters that we accept only at their neutral value.
-_NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
-    "min_new_tokens": (0,),
-    "min_p": (0.0,),
-    "frequency_penalty": (0.0,),
-    "presence_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
-    "n": (1,),
-    "logit_bias": ({},),
-}
 _UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
 _UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "audio_data", "video_data", "lora_path")
 
 
-def check_top_k(value: int | None) -> int | None:
-    if value is not None and value != -1 and not 1 <= value <= 2**31 - 1:
-        raise ValueError("must be -1 (disable) or at least 1")
-    return value
-
-
-class SamplingParamsIn(BaseModel):
+class SamplingParamsIn(RequestBody):
     """SGLang's SamplingParams; None means "the default" like SGLang."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-    max_new_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_new_tokens: int | None = None
+    n: int | None = None
+    logit_bias: dict[str, float] | None = None
     stop: OneOrList[SafeStr] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
@@ -55,14 +49,6 @@ class SamplingParamsIn(BaseModel):
     sampling_seed: Int64 | None = None
     # Accepted and ignored: a streaming cadence hint.
     stream_interval: int | None = None
-    # Accepted only at their neutral value (see _NEUTRAL_SAMPLING).
-    min_new_tokens: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    n: int | None = None
-    logit_bias: dict[str, float] | None = None
     # Rejected when given.
     json_schema: Any = None
     regex: Any = None
@@ -70,19 +56,31 @@ class SamplingParamsIn(BaseModel):
     structural_tag: Any = None
     stop_regex: Any = None
 
-    _check_top_k = field_validator("top_k")(check_top_k)
-
     @model_validator(mode="after")
-    def _supported(self) -> SamplingParamsIn:
-        reject_unsupported(self, _NEUTRAL_SAMPLING)
+    def _supported(self) -> Self:
         reject_present(self, _UNSUPPORTED_SAMPLING)
         return self
 
+    def sampling_in(self) -> SamplingIn:
+        return SamplingIn(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_new_tokens=self.min_new_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed if self.seed is not None else self.sampling_seed,
+            logit_bias=self.logit_bias,
+        )
 
-class GenerateRequest(BaseModel):
+
+class GenerateRequest(RequestBody):
     """POST /generate: `text` or `input_ids`, single or batch."""
-
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     text: OneOrList[SafeStr] | None = None
     input_ids: TokenIdsInput | None = None
@@ -90,6 +88,10 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     rid: OneOrList[Rid] | None = None
     return_logprob: OneOrList[bool] | None = None
+    logprob_start_len: OneOrList[int] | None = None
+    top_logprobs_num: OneOrList[int] | None = None
+    token_ids_logprob: TokenIdsInput | None = None
+    return_text_in_logprobs: bool = False
     input_embeds: Any = None
     image_data: Any = None
     audio_data: Any = None
@@ -97,20 +99,50 @@ class GenerateRequest(BaseModel):
     lora_path: Any = None
 
     @model_validator(mode="after")
-    def _supported(self) -> GenerateRequest:
-        flags = (
-            self.return_logprob if isinstance(self.return_logprob, list) else [self.return_logprob]
-        )
-        if any(flags):
-            raise ValueError("return_logprob is not supported yet")
+    def _supported(self) -> Self:
         reject_present(self, _UNSUPPORTED_INPUTS)
         return self
 
 
-class AbortRequestIn(BaseModel):
-    """POST /abort_request: one rid, or every request of this api replica."""
+class EncodeRequest(RequestBody):
+    """POST /encode (SGLang's EmbeddingReqInput): `text` (strings or cross-encoder pairs) or
+    `input_ids`, single or batch."""
 
-    model_config = ConfigDict(extra="ignore")
+    text: EmbedInput | None = None
+    input_ids: TokenIdsInput | None = None
+    rid: OneOrList[Rid] | None = None
+    input_embeds: Any = None
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    lora_path: Any = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> Self:
+        reject_present(self, _UNSUPPORTED_INPUTS)
+        return self
+
+
+class TokenizeRequest(RequestBody):
+    """POST /tokenize: a prompt (strings or cross-encoder pairs) or chat messages."""
+
+    model: SafeStr | None = None
+    prompt: EmbedInput | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(RequestBody):
+    """POST /detokenize: ids (or a batch of id lists) back to text."""
+
+    model: SafeStr | None = None
+    tokens: TokenIdsInput
+    skip_special_tokens: bool = True
+
+
+class AbortRequestIn(RequestBody):
+    """POST /abort_request: one rid, or every request of this api replica."""
 
     rid: Rid | None = None
     abort_all: bool = False

@@ -3,31 +3,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from api.sampling import SamplingIn
 from api.schemas.common import (
+    EmbedInput,
     Int64,
     OneOrList,
     PromptInput,
+    RequestBody,
     Rid,
     SafeStr,
     reject_present,
     reject_unsupported,
 )
-from api.schemas.native import check_top_k
 
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-    "best_of": (1,),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
-    "min_p": (0.0,),
-    "min_tokens": (0,),
-    "logit_bias": ({},),
-}
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (1,)}
 
 
 class StreamOptions(BaseModel):
@@ -37,15 +30,20 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class OpenAISamplingRequest(BaseModel):
+class OpenAISamplingRequest(RequestBody):
     """Fields common to completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
     model: SafeStr | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
     stop: OneOrList[SafeStr] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -58,20 +56,11 @@ class OpenAISamplingRequest(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    # Accepted only at their neutral value.
-    n: int | None = None
+    # Accepted only at its neutral value.
     best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
-
-    _check_top_k = field_validator("top_k")(check_top_k)
 
     @model_validator(mode="after")
-    def _supported(self) -> OpenAISamplingRequest:
+    def _supported(self) -> Self:
         reject_unsupported(self, _NEUTRAL)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
@@ -85,17 +74,34 @@ class OpenAISamplingRequest(BaseModel):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
+    def sampling_in(self) -> SamplingIn:
+        return SamplingIn(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_new_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+            logit_bias=self.logit_bias,
+        )
+
 
 class CompletionRequest(OpenAISamplingRequest):
     prompt: PromptInput
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None
     suffix: Any = None
 
     @model_validator(mode="after")
-    def _supported_completion(self) -> CompletionRequest:
-        reject_unsupported(self, {"echo": (False,), "logprobs": (0,)})
+    def _supported_completion(self) -> Self:
+        reject_unsupported(self, {"echo": (False,)})
         reject_present(self, ("suffix",))
         return self
 
@@ -134,9 +140,9 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(OpenAISamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -147,18 +153,28 @@ class ChatCompletionRequest(OpenAISamplingRequest):
     tool_choice: Any = None
 
     @model_validator(mode="after")
-    def _supported_chat(self) -> ChatCompletionRequest:
-        reject_unsupported(
-            self,
-            {"logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",)},
-        )
+    def _supported_chat(self) -> Self:
+        reject_unsupported(self, {"tools": ([],), "tool_choice": ("none",)})
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message are exclusive")
         return self
 
     @property
     def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings (plus SGLang's cross-encoder pairs)."""
+
+    input: EmbedInput
+    model: SafeStr | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: SafeStr | None = None
+    rid: Rid | None = None
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -170,10 +186,17 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 
@@ -190,7 +213,7 @@ class CompletionResponse(BaseModel):
 class CompletionStreamChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -208,10 +231,14 @@ class AssistantMessage(BaseModel):
     content: str | None = None
 
 
+class ChatLogprobs(BaseModel):
+    content: list[dict[str, Any]] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 
@@ -239,7 +266,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -264,3 +291,21 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

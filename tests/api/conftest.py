@@ -68,6 +68,23 @@ async def backend(
     await r.aclose()
 
 
+def with_api(settings: Settings, **update: Any) -> Settings:
+    """`settings` with some ApiSettings fields changed."""
+    return settings.model_copy(update={"api": settings.api.model_copy(update=update)})
+
+
+@contextlib.asynccontextmanager
+async def running_app(
+    settings: Settings, redis: aioredis.Redis, tokenizer: Any
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """Another app (its lifespan running) and a client for it."""
+    app = create_app(settings, redis=redis, tokenizer=tokenizer)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield app, client
+
+
 async def wait_until(cond: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not await cond():

@@ -201,5 +201,5 @@ async def test_openai_client_errors(oai: openai.AsyncOpenAI, backend: FakeBacken
         await oai.completions.create(model="m", prompt="x", max_tokens=10**9)
     assert "maximum context length" in err.value.message
     with pytest.raises(openai.BadRequestError):
-        await oai.chat.completions.create(model="m", messages=MESSAGES, n=2)  # type: ignore[arg-type]
+        await oai.chat.completions.create(model="m", messages=MESSAGES, n=10**6)  # type: ignore[arg-type]
     assert backend.jobs == []

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from shared.config import Settings
 from shared.keys import Keys
 from tests.api.backend import FakeBackend
 
@@ -31,13 +32,30 @@ CASES: list[tuple[str, Any, str]] = [
     ("/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
     ("/generate", {"text": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
     ("/generate", {"text": "hi", "sampling_params": {"seed": 2**70}}, "seed"),
-    ("/generate", {"text": "hi", "sampling_params": {"frequency_penalty": 1}}, "not supported"),
+    ("/generate", {"text": "hi", "sampling_params": {"frequency_penalty": 3}}, "[-2, 2]"),
     ("/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, "not supported"),
+    ("/generate", {"text": "hi", "sampling_params": {"min_p": 1.5}}, "min_p must be in [0, 1]"),
+    ("/generate", {"text": "hi", "sampling_params": {"presence_penalty": -3}}, "[-2, 2]"),
+    ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": 0}}, "(0, 2]"),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}},
+        "min_new_tokens must be in [0, max_new_tokens(4)], got 9.",
+    ),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"a": 1}}}, "token ids"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": ["x" * 300]}}, "1 to 256"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": -5}}, "top_k must be -1"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, "n must be at least 1"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": -5}, "-1"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "[-100, 100]"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 3}, "min_tokens"),
+    ("/v1/embeddings", {"input": "hi", "dimensions": 3}, "dimensions"),
     ("/generate", {"text": "hi", "sampling_params": {"stop": [""]}}, "Stop strings"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop": ["x"] * 17}}, "stop strings"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": ["x"] * 17}}, "stop sequences"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10**9]}}, "vocabulary"),
     ("/generate", {"text": "hi", "sampling_params": [{}, {}]}, "batch size"),
-    ("/generate", {"text": "hi", "return_logprob": True}, "return_logprob"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs"),
     ("/generate", {"text": "hi", "image_data": "x.png"}, "image_data"),
     ("/generate", {"input_ids": [1, 49152]}, "out of vocabulary"),
     ("/generate", {"input_ids": [-1]}, "out of vocabulary"),
@@ -48,7 +66,7 @@ CASES: list[tuple[str, Any, str]] = [
     ("/generate", {"text": []}, "empty"),
     ("/generate", {"text": ["ok", ""]}, "empty"),
     ("/generate", {"text": "hi", "input_ids": [1]}, "Only one"),
-    ("/generate", {}, "Either text or input_ids"),
+    ("/generate", {}, "Either text, input_ids or input_embeds"),
     ("/generate", {"text": 5}, "text"),
     ("/generate", {"text": "hi", "rid": ["a", "b"]}, "rid"),
     ("/generate", {"text": ["a", "b"], "rid": ["x", "x"]}, "Duplicate request ID detected: x"),
@@ -64,9 +82,9 @@ CASES: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**30}, "context"),
-    ("/v1/completions", {"prompt": "hi", "n": 3}, "n is not supported"),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, "n must be ≤ 16"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs must be in [0, 20]"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, "vocabulary"),
@@ -78,7 +96,7 @@ CASES: list[tuple[str, Any, str]] = [
     ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10**30}, "context"),
     ("/v1/chat/completions", {"messages": MSG, "top_p": NotImplemented}, "top_p"),
     ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": MSG, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "`logprobs` must be"),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
@@ -148,11 +166,9 @@ async def test_unknown_route_has_error_body(client: httpx.AsyncClient) -> None:
 
 
 async def test_huge_body_is_413(
-    client: httpx.AsyncClient, fake_redis: aioredis.Redis, keys: Keys
+    client: httpx.AsyncClient, fake_redis: aioredis.Redis, keys: Keys, settings: Settings
 ) -> None:
-    from api.app import MAX_BODY_BYTES
-
-    body = b'{"text": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    body = b'{"text": "' + b"x" * settings.api.max_body_bytes + b'"}'
     resp = await client.post(
         "/generate", content=body, headers={"content-type": "application/json"}
     )

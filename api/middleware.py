@@ -1,0 +1,125 @@
+"""The edge of the api, before any route runs (pure ASGI, no body buffering):
+
+1. API keys: with keys configured, every route but /health needs `Authorization: Bearer <key>`;
+   keys are compared as SHA-256 digests with hmac.compare_digest, against every key, so neither
+   the time nor the text of the 401 tells a missing key from a wrong one.
+2. Content type: bodies are JSON. `curl -d` sends application/x-www-form-urlencoded, and some
+   clients send text/plain or nothing: such bodies are read as JSON (and fail as invalid JSON
+   when they are not). Any other non-JSON type (multipart, XML, ...) is a 415.
+3. Body size: above `max_body_bytes` a 413, from Content-Length before reading anything, else
+   as soon as the streamed body passes the limit (before it is parsed)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import BodyError, error_body
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health"})
+_LENIENT_TYPES = frozenset({"", "application/x-www-form-urlencoded", "text/plain"})
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_AUTH_MESSAGE = "Missing or invalid API key. Send it as 'Authorization: Bearer <key>'."
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def media_type(value: bytes) -> str:
+    return value.decode("latin-1").split(";", 1)[0].strip().lower()
+
+
+def is_json_type(media: str) -> bool:
+    main, _, sub = media.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+class EdgeGuard:
+    def __init__(self, app: ASGIApp, *, api_keys: list[str], max_body_bytes: int) -> None:
+        self.app = app
+        self._digests = [_digest(key.encode()) for key in api_keys]
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._digests and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            logger.info("401 %s %s: missing or invalid API key", scope["method"], scope["path"])
+            await _reply(scope, receive, send, 401, _AUTH_MESSAGE, code="invalid_api_key",
+                         headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return
+        if scope["method"] in _BODY_METHODS:
+            scope = await self._check_body(scope, receive, send)
+            if not scope:
+                return
+            receive = self._limited(receive)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            token = b""
+        digest = _digest(token.strip())
+        ok = False
+        for known in self._digests:  # no early exit: every key costs the same
+            ok |= hmac.compare_digest(known, digest)
+        return ok
+
+    async def _check_body(self, scope: Scope, receive: Receive, send: Send) -> Scope:
+        """The scope to go on with (content type made JSON), or {} after an error reply."""
+        headers = scope["headers"]
+        raw_type = next((v for k, v in headers if k == b"content-type"), b"")
+        media = media_type(raw_type)
+        if media in _LENIENT_TYPES:
+            rest = [(k, v) for k, v in headers if k != b"content-type"]
+            scope = {**scope, "headers": [*rest, (b"content-type", b"application/json")]}
+        elif not is_json_type(media):
+            message = f"Unsupported Media Type: {ascii(media)[:80]}; send application/json."
+            await _reply(scope, receive, send, 415, message)
+            return {}
+        length = next((v for k, v in headers if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _reply(scope, receive, send, 413, self._too_large())
+            return {}
+        return scope
+
+    def _too_large(self) -> str:
+        return f"The request body is larger than the limit of {self.max_body_bytes} bytes."
+
+    def _limited(self, receive: Receive) -> Receive:
+        total = 0
+        limit = self.max_body_bytes
+
+        async def limited_receive() -> Message:
+            nonlocal total
+            message = await receive()
+            if message["type"] == "http.request":
+                total += len(message.get("body", b""))
+                if total > limit:
+                    raise BodyError(413, self._too_large())
+            return message
+
+        return limited_receive
+
+
+async def _reply(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> None:
+    body = error_body(scope["path"], status, message, code=code, openai=status == 401)
+    await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
