@@ -14,7 +14,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.protocol import DetokParams, FinishReason, TextEntry, TokenBatch, TokenEntry
+from shared.protocol import (
+    DetokParams,
+    FinishReason,
+    Logprobs,
+    TextEntry,
+    TokenBatch,
+    TokenEntry,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -310,4 +317,19 @@ def _text_entry(
         completion_tokens=seq + len(token_ids),
         finish=finish,
         cached_tokens=entry.cached_tokens,
+        output_logprobs=_skip_positions(entry.output_logprobs, seq - entry.seq),
+        input_logprobs=entry.input_logprobs,
+        embedding=entry.embedding,
+    )
+
+
+def _skip_positions(logprobs: Logprobs | None, skip: int) -> Logprobs | None:
+    """The logprobs of an entry's ids past the first `skip` (duplicates already seen)."""
+    if logprobs is None or skip <= 0:
+        return logprobs
+    return Logprobs(
+        token_logprobs=logprobs.token_logprobs[skip:],
+        top_ids=logprobs.top_ids[skip:],
+        top_logprobs=logprobs.top_logprobs[skip:],
+        requested_logprobs=logprobs.requested_logprobs[skip:],
     )

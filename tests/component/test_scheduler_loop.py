@@ -22,16 +22,17 @@ DEFAULT_TOKEN = 50
 
 
 class ScriptedRunner:
-    """Gives each request the next token of its script (then DEFAULT_TOKEN); records steps."""
+    """Gives each request the next token of its script (then DEFAULT_TOKEN); records each
+    step as {rid: new tokens computed}."""
 
     def __init__(self, scripts: dict[str, list[int]] | None = None) -> None:
         self.scripts = scripts or {}
-        self.steps: list[tuple[list[str], bool]] = []
+        self.steps: list[dict[str, int]] = []
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        self.steps.append(([seq.rid for seq in seqs], is_prefill))
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        self.steps.append({seq.rid: seq.num_new_tokens for seq in seqs})
         tokens = []
-        for seq in seqs:
+        for seq in [seq for seq in seqs if seq.will_sample]:
             script = self.scripts.get(seq.rid, [])
             n = seq.num_completion_tokens
             tokens.append(script[n] if n < len(script) else DEFAULT_TOKEN)
@@ -98,7 +99,7 @@ async def test_jobs_come_out_as_one_token_batch_per_step(
     await loop.run(burst=True)
     batches = await received(pubsub)
 
-    assert runner.steps == [(["a", "b"], True), (["a", "b"], False), (["a"], False)]
+    assert runner.steps == [{"a": 3, "b": 2}, {"a": 1, "b": 1}, {"a": 1}]
     assert len(batches) == len(runner.steps)  # one message per step, not per token
     assert all(b.worker_id == "w1" for b in batches)
     a, b = entries_of(batches, "a"), entries_of(batches, "b")
@@ -224,7 +225,7 @@ async def test_bad_jobs_fail_alone_and_the_loop_keeps_serving(
     oov_finish = entries_of(batches, "oov")[0].finish
     assert oov_finish is not None and "out of vocabulary" in (oov_finish.message or "")
     assert [e.token_ids for e in entries_of(batches, "good")] == [[5], [EOS]]
-    assert all(rids == ["good"] for rids, _ in runner.steps)
+    assert all(list(step) == ["good"] for step in runner.steps)
     assert await num_pending(fake_redis, keys) == 0
     assert await fake_redis.xlen(keys.request_stream) == 0
 
@@ -284,3 +285,47 @@ async def test_a_failed_step_transaction_is_sent_again_without_gaps(
     assert [(e.seq, e.token_ids) for e in entries] == [(0, [5]), (1, [6, 7]), (3, [8])]
     assert await fake_redis.lrange(keys.ids("a"), 0, -1) == [b"5", b"6", b"7", b"8"]
     assert await num_pending(fake_redis, keys) == 0
+
+
+async def test_a_prompt_sharing_a_prefix_reports_cached_tokens(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    runner = ScriptedRunner()
+    loop = make_loop(fake_redis, keys, runner)  # block_size 4
+    pubsub = await subscribe(fake_redis, keys)
+    prompt = list(range(10, 20))
+    await submit(fake_redis, keys, "first", prompt, max_new_tokens=2, ignore_eos=True)
+    await loop.run(burst=True)
+    await submit(fake_redis, keys, "again", [*prompt, 30], max_new_tokens=2, ignore_eos=True)
+    await loop.run(burst=True)
+    batches = await received(pubsub)
+
+    assert [e.cached_tokens for e in entries_of(batches, "first")] == [0, 0]
+    assert [e.cached_tokens for e in entries_of(batches, "again")] == [8, 8]  # 2 full blocks
+    assert runner.steps[-2:] == [{"again": 3}, {"again": 1}]
+    state = await request_state.get(fake_redis, keys, "again")
+    assert state["cached_tokens"] == "8"
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks_beside_a_running_stream(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    runner = ScriptedRunner()
+    loop = make_loop(fake_redis, keys, runner, max_num_batched_tokens=8)
+    pubsub = await subscribe(fake_redis, keys)
+    await submit(fake_redis, keys, "stream", max_new_tokens=6, ignore_eos=True)
+    await loop.run_once()
+    await submit(fake_redis, keys, "long", list(range(10, 30)), max_new_tokens=2)
+    await loop.run(burst=True)
+    batches = await received(pubsub)
+
+    assert runner.steps[1:5] == [
+        {"stream": 1, "long": 7},
+        {"stream": 1, "long": 7},
+        {"stream": 1, "long": 6},  # long's last chunk samples its first token
+        {"stream": 1, "long": 1},
+    ]
+    # A step publishes only what it sampled: nothing for long's first two chunks.
+    assert [len(b.entries) for b in batches] == [1, 1, 1, 2, 2, 1]
+    assert [e.seq for e in entries_of(batches, "long")] == [0, 1]
+    assert [e.seq for e in entries_of(batches, "stream")] == list(range(6))

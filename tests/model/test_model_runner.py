@@ -76,20 +76,25 @@ def hf_outputs(model_path: str, prompts: list[list[int]]) -> Iterator[list[list[
     yield outputs
 
 
-def generate(
+def run_core(
     runner: TorchModelRunner,
     prompts: list[list[int]],
     sampling: list[SamplingParams],
     arrival_step: list[int] | None = None,
-) -> list[list[int]]:
-    """Drive our core + runner; request i joins at step `arrival_step[i]` (default 0)."""
+    **config: Any,
+) -> list[Sequence]:
+    """Drive our core + runner; request i joins at step `arrival_step[i]` (default 0).
+    `config` overrides SchedulerConfig fields (token budget, KV blocks, prefix caching)."""
     core = Scheduler(
         SchedulerConfig(
-            num_kv_blocks=NUM_KV_BLOCKS,
-            vocab_size=runner.vocab_size,
-            max_model_len=2048,
-            block_size=BLOCK_SIZE,
-            eos_token_ids=frozenset({2}),
+            **{
+                "num_kv_blocks": NUM_KV_BLOCKS,
+                "vocab_size": runner.vocab_size,
+                "max_model_len": 2048,
+                "block_size": BLOCK_SIZE,
+                "eos_token_ids": frozenset({2}),
+                **config,
+            }
         ),
         decode_tail=lambda ids: "",
     )
@@ -99,11 +104,22 @@ def generate(
     while step <= max(arrivals) or not core.is_idle:
         for seq, arrival in zip(seqs, arrivals, strict=True):
             if arrival == step:
-                core.add(seq)
-        batch, is_prefill = core.schedule()
+                assert core.add(seq) is None
+        batch = core.schedule()
         if batch:
-            core.postprocess(batch, runner.run(batch, is_prefill))
+            core.postprocess(batch, runner.run(batch))
         step += 1
+    return seqs
+
+
+def generate(
+    runner: TorchModelRunner,
+    prompts: list[list[int]],
+    sampling: list[SamplingParams],
+    arrival_step: list[int] | None = None,
+    **config: Any,
+) -> list[list[int]]:
+    seqs = run_core(runner, prompts, sampling, arrival_step, **config)
     return [seq.output_ids for seq in seqs]
 
 
@@ -157,3 +173,48 @@ def test_top_k_one_equals_greedy(
 ) -> None:
     top1 = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=MAX_NEW_TOKENS)
     assert generate(runner, prompts[:2], [top1] * 2) == alone[:2]
+
+
+# -- chunked prefill, prefix caching, preemption ---------------------------------------------
+# Greedy outputs of 12 tokens, which must be the first 12 of the solo ones (cheaper to run).
+SHORT = SamplingParams(temperature=0, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def short(alone: list[list[int]]) -> list[list[int]]:
+    return [out[: SHORT.max_new_tokens] for out in alone]
+
+
+def test_chunked_prefill_mixed_with_decodes_gives_the_solo_tokens(
+    runner: TorchModelRunner, prompts: list[list[int]], short: list[list[int]]
+) -> None:
+    # 16 tokens a step: prompts arrive while others decode and are prefilled in chunks
+    # (of whatever the decodes leave) that do not line up with the KV blocks.
+    assert max(len(p) for p in prompts) > 16
+    arrivals = [0, 0, 1, 3, 5, 8]
+    budget = {"max_num_batched_tokens": 16}
+    assert generate(runner, prompts, [SHORT] * len(prompts), arrivals, **budget) == short
+
+
+def test_prefix_caching_gives_the_solo_tokens_and_reports_cached_tokens(
+    runner: TorchModelRunner, prompts: list[list[int]], short: list[list[int]]
+) -> None:
+    # The chat prompts share the chat template's system prefix; the last is a repeat.
+    chat = [prompts[0], prompts[1], prompts[2], prompts[0]]
+    seqs = run_core(runner, chat, [SHORT] * 4, [0, 1, 2, 3])
+    assert [seq.output_ids for seq in seqs] == [short[0], short[1], short[2], short[0]]
+    assert seqs[0].num_cached_tokens == 0
+    assert all(seq.num_cached_tokens >= BLOCK_SIZE for seq in seqs[1:])
+    repeat = seqs[3]
+    assert repeat.num_cached_tokens == (len(prompts[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_under_a_tiny_kv_budget_still_gives_the_solo_tokens(
+    runner: TorchModelRunner, prompts: list[list[int]], short: list[list[int]], prefix_caching: bool
+) -> None:
+    # 6 blocks hold 96 tokens; the six requests need about three times that at their longest.
+    config = {"num_kv_blocks": 6, "enable_prefix_caching": prefix_caching}
+    seqs = run_core(runner, prompts, [SHORT] * len(prompts), **config)
+    assert [seq.output_ids for seq in seqs] == short
+    assert any(seq.num_preemptions for seq in seqs)

@@ -50,24 +50,33 @@ def build_loop(settings: Settings) -> SchedulerLoop:
     model_path = resolve_model(settings.model, settings.cache_dir)
     logger.info("loading tokenizer from %s", model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    num_blocks = sched.num_kv_blocks or max(1, sched.kv_cache_tokens // sched.block_size)
+    # An explicit size caps the KV cache; the memory fraction bounds it in any case.
+    max_blocks = sched.num_kv_blocks or -(-sched.kv_cache_tokens // sched.block_size)
     logger.info("loading model weights (%s on %s)", sched.dtype, sched.device)
     runner = TorchModelRunner.load(
-        model_path, num_blocks, sched.block_size, sched.dtype, sched.device, sched.num_threads
+        model_path,
+        max_blocks,
+        sched.block_size,
+        sched.dtype,
+        sched.device,
+        sched.num_threads,
+        kv_memory_fraction=sched.kv_memory_fraction,
     )
     args = runner.model.args
     max_model_len = min(
         settings.context_length or args.max_position_embeddings, args.max_position_embeddings
     )
     config = SchedulerConfig(
-        num_kv_blocks=num_blocks,
+        num_kv_blocks=runner.num_kv_blocks,
         vocab_size=args.vocab_size,
         max_model_len=max_model_len,
         block_size=sched.block_size,
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
+        enable_prefix_caching=sched.enable_prefix_caching,
         eos_token_ids=eos_token_ids(tokenizer.eos_token_id, model_path),
     )
+    runner.eos_token_ids = config.eos_token_ids  # masked until min_new_tokens
     core = Scheduler(config, decode_tail=lambda ids: str(tokenizer.decode(ids)))
     logger.info(
         "ready: context %d tokens, eos ids %s", core.max_model_len, sorted(config.eos_token_ids)

@@ -2,11 +2,14 @@
 
 The model runs on a flat batch of T new tokens from B sequences. Each layer writes the new
 tokens' K/V into the cache slots the block manager assigned, then attends over each
-sequence's whole context gathered from the cache, so prefill, decode (and later prefix reuse
-or chunked prefill) are one code path. Weights load straight from the HF folder's
+sequence's whole context gathered from the cache, so prefill, decode, prefill chunks and
+prefixes reused from the cache are one code path. Weights load straight from the HF folder's
 config.json + safetensors; no transformers model object exists at run time.
-Other families differ in small places marked below (Qwen2: q/k/v bias = `attention_bias`;
-Qwen3: a per-head RMSNorm on q and k before RoPE).
+Families (`SUPPORTED_MODEL_TYPES`) differ only in flags of `ModelArgs`: Llama/SmolLM2
+(optional `attention_bias` on q/k/v/o, `mlp_bias`), Qwen2 (bias on q/k/v, none on o), Qwen3
+(a per-head RMSNorm on q and k before RoPE, optional `attention_bias`), Mistral (no bias; its
+sliding window is not implemented, so the context is capped at the window, where full
+attention is exact). Tied and untied embeddings both load.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,10 @@ class ModelArgs:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q/k/v
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
@@ -55,6 +61,7 @@ class ModelArgs:
             raise NotImplementedError(f"RoPE scaling {rope} is not supported yet")
         num_heads = cfg["num_attention_heads"]
         return cls(
+            **_family_flags(cfg),
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -64,26 +71,62 @@ class ModelArgs:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=_max_positions(cfg),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
         )
+
+
+def _family_flags(cfg: dict[str, Any]) -> dict[str, bool]:
+    """Where a family's layers differ from Llama's (HF's modeling_<family>.py)."""
+    kind, bias = cfg["model_type"], bool(cfg.get("attention_bias"))
+    if kind == "qwen2":
+        return {"attention_bias": True}
+    if kind == "qwen3":
+        return {"attention_bias": bias, "o_proj_bias": bias, "qk_norm": True}
+    if kind == "mistral":
+        return {}
+    return {"attention_bias": bias, "o_proj_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias"))}
+
+
+def _max_positions(cfg: dict[str, Any]) -> int:
+    """The context length; capped at the sliding window where one applies (Mistral, Qwen's
+    sliding layers), since up to the window full causal attention is exactly the same."""
+    max_positions = int(cfg.get("max_position_embeddings") or 2048)
+    window = cfg.get("sliding_window")
+    slides = cfg["model_type"] == "mistral" or "sliding_attention" in (cfg.get("layer_types") or [])
+    if window and slides and window < max_positions:
+        logger.warning(
+            "sliding-window attention is not implemented: context capped at the window "
+            "(%d tokens instead of %d)",
+            window,
+            max_positions,
+        )
+        return int(window)
+    return max_positions
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences of a step attended in one call: their queries laid out padded as [B, Lq]
+    (Lq = most new tokens of one of them), their contexts as [B, Lk] cache slots (Lk =
+    longest context); `mask` hides padding and the future."""
+
+    token_index: torch.Tensor  # [Tg] rows of the step's T new tokens that belong here
+    padded_index: torch.Tensor  # [Tg] their rows in the padded [B * Lq] layout
+    kv_slots: torch.Tensor  # [B, Lk] cache slots of each sequence's context
+    mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = attend
 
 
 @dataclass
 class AttentionBatch:
-    """Index tensors of one step, shared by every layer (built by the model runner).
-
-    Queries are laid out padded as [B, Lq] (Lq = most new tokens of one sequence) and the
-    context as [B, Lk] cache slots (Lk = longest context); `mask` hides padding and the
-    future.
-    """
+    """Index tensors of one step, shared by every layer (built by the model runner). A
+    sequence brings its new tokens at positions [num_computed, num_computed + n) — a prefill
+    chunk or one decode token — and attends to its whole cached context. Decodes and prefill
+    chunks form separate groups, so a long chunk does not pad every decode to its length."""
 
     positions: torch.Tensor  # [T] position of each new token in its sequence
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V goes to
-    query_index: torch.Tensor  # [T] row of each new token in the padded [B * Lq] layout
-    kv_slots: torch.Tensor  # [B, Lk] cache slots of each sequence's context
-    mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = attend
+    groups: list[AttentionGroup]
     last_index: torch.Tensor  # [B] index in T of each sequence's last new token
 
 
@@ -131,7 +174,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_proj_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(
         self,
@@ -146,7 +191,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        # (Qwen3 would apply its q/k RMSNorm here.)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.index_copy_(0, batch.slot_mapping, k)
@@ -157,24 +203,28 @@ class Attention(nn.Module):
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        num_seqs, _, max_q, _ = batch.mask.shape
-        padded = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
-        padded[batch.query_index] = q
-        padded = padded.view(num_seqs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
-        keys = k_cache[batch.kv_slots].transpose(1, 2)  # [B, kv_heads, Lk, head_dim]
-        values = v_cache[batch.kv_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            padded, keys, values, attn_mask=batch.mask, enable_gqa=True
-        )
-        out = out.transpose(1, 2).reshape(num_seqs * max_q, self.num_heads, self.head_dim)
-        return out[batch.query_index]
+        out = torch.empty_like(q)
+        for group in batch.groups:
+            num_seqs, _, max_q, _ = group.mask.shape
+            padded = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
+            padded[group.padded_index] = q[group.token_index]
+            padded = padded.view(num_seqs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
+            keys = k_cache[group.kv_slots].transpose(1, 2)  # [B, kv_heads, Lk, head_dim]
+            values = v_cache[group.kv_slots].transpose(1, 2)
+            attended = F.scaled_dot_product_attention(
+                padded, keys, values, attn_mask=group.mask, enable_gqa=True
+            )
+            attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+            out[group.token_index] = attended[group.padded_index]
+        return out
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        size, bias = args.intermediate_size, args.mlp_bias
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * size, bias=bias)
+        self.down_proj = nn.Linear(size, args.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -221,14 +271,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        """Logits [B, vocab] of each sequence's last new token; `kv_cache` is
-        [layers, 2, slots, kv_heads, head_dim]."""
+        """Final (normed) hidden states [T, hidden] of the new tokens; `kv_cache` is
+        [layers, 2, slots, kv_heads, head_dim]. `compute_logits` turns rows into logits."""
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
             x = layer(x, cos, sin, batch, layer_cache)
-        return self.lm_head(self.norm(x[batch.last_index])).float()
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] of N rows of final hidden states."""
+        return self.lm_head(hidden).float()
 
 
 # Checkpoint projections that we keep fused: name -> (fused name, shard index).

@@ -36,8 +36,9 @@ Job = tuple[bytes, protocol.GenerateJob | None]
 
 
 class ModelRunner(Protocol):
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """The next token id of each sequence (its KV cache slots are already assigned)."""
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        """Computes each sequence's `num_new_tokens` (its KV cache slots are assigned) and
+        returns the next token id of each one with `will_sample`, in order."""
         ...
 
 
@@ -108,13 +109,14 @@ class SchedulerLoop:
         self._abort_rids |= await self._drain_control()
         self._apply_aborts()
         num_read = await self._take_jobs()
-        seqs, is_prefill = self.core.schedule()
+        seqs = self.core.schedule()
         if seqs:
-            token_ids = self.runner.run(seqs, is_prefill)
+            samplers = [seq for seq in seqs if seq.will_sample]  # a partial chunk has no news
+            token_ids = self.runner.run(seqs)
             if self.core.postprocess(seqs, token_ids):
                 self._batch_changed = True
-            self._outbox.update((seq.rid, seq) for seq in seqs)
-            self._log_stats(len(seqs))
+            self._outbox.update((seq.rid, seq) for seq in samplers)
+            self._log_stats(len(samplers))
         published = await self._flush()
         return bool(num_read or seqs or published)
 
@@ -182,7 +184,14 @@ class SchedulerLoop:
                 self._to_ack.append(entry_id)
                 continue
             seq = Sequence(
-                job.rid, job.input_ids, job.sampling, epoch=1, entry_id=entry_id, detok=job.detok
+                job.rid,
+                job.input_ids,
+                job.sampling,
+                epoch=1,
+                entry_id=entry_id,
+                detok=job.detok,
+                logprobs=job.logprobs,
+                embed=job.embed,
             )
             if job.rid in aborted:
                 seq.status, seq.finish = SequenceStatus.FINISHED, ABORTED
@@ -235,6 +244,9 @@ class SchedulerLoop:
         finished = []
         for seq in self._outbox.values():
             new_ids = seq.unpublished_ids()
+            lp, first = seq.logprobs, seq.num_published
+            # Prompt logprobs ride on the first entry that carries tokens (or the finish).
+            first_out = first == 0 and bool(new_ids or seq.finish)
             entry = protocol.TokenEntry(
                 rid=seq.rid,
                 epoch=seq.epoch,
@@ -244,6 +256,9 @@ class SchedulerLoop:
                 finish=seq.finish,
                 cached_tokens=seq.num_cached_tokens,
                 detok=seq.detok if seq.num_published == 0 else None,
+                output_logprobs=lp.output_slice(first, first + len(new_ids)) if lp else None,
+                input_logprobs=lp.input if lp and first_out else None,
+                embedding=seq.embedding if seq.is_finished else None,
             )
             batches[shard_of(seq.rid, self.settings.num_token_shards)].append(entry)
             request_state.append_ids(pipe, self.keys, seq.rid, new_ids)

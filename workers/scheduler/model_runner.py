@@ -1,6 +1,9 @@
 """The model runner: turns one scheduled step into input tensors, runs the forward over the
-paged KV cache and samples one token per sequence. Only this side of the scheduler imports
-torch (with llama.py and sampler.py); the loop sees it through the `ModelRunner` protocol.
+paged KV cache and samples one token per sequence that reached its last token. A step mixes
+prefill chunks and decodes: each sequence brings `num_new_tokens` tokens from
+`num_computed_tokens` on, attending to all of its cached context. Only this side of the
+scheduler imports torch (with llama.py and sampler.py); the loop sees it through the
+`ModelRunner` protocol. It also sizes the KV cache from a memory budget.
 """
 
 from __future__ import annotations
@@ -10,10 +13,24 @@ import logging
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
-from workers.scheduler.llama import AttentionBatch, LlamaForCausalLM, ModelArgs, load_model
-from workers.scheduler.sampler import sample
+from workers.scheduler.llama import (
+    AttentionBatch,
+    AttentionGroup,
+    LlamaForCausalLM,
+    ModelArgs,
+    load_model,
+)
+from workers.scheduler.outputs import (
+    record_embeddings,
+    record_input_logprobs,
+    record_output_logprobs,
+    step_spans,
+    wants_prompt_outputs,
+)
+from workers.scheduler.sampler import process_logits, sample
 from workers.scheduler.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -25,12 +42,61 @@ def read_model_args(model_path: str) -> ModelArgs:
     return ModelArgs.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
 
 
+def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    return 2 * args.num_layers * args.num_kv_heads * args.head_dim * dtype.itemsize
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that new tensors on `device` can take now (on CPU, within the container's
+    cgroup limit too: psutil sees the host's memory)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = int(psutil.virtual_memory().available)
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():
+            available = min(available, int(limit) - usage)
+        break
+    return max(0, available)
+
+
+_CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def num_kv_blocks_for(
+    max_blocks: int, memory_fraction: float, available_bytes: int, bytes_per_block: int
+) -> int:
+    """KV cache blocks: `memory_fraction` of `available_bytes`, and at most `max_blocks`
+    (either one 0 = no bound from it, not both)."""
+    if not (max_blocks or memory_fraction):
+        raise ValueError("size the KV cache with a block count or a memory fraction")
+    bounds = [max_blocks] if max_blocks else []
+    if memory_fraction:
+        bounds.append(int(available_bytes * memory_fraction) // bytes_per_block)
+    num_blocks = min(bounds)
+    if num_blocks < 1:
+        raise MemoryError(
+            f"no room for a KV cache: {memory_fraction} of {available_bytes / 2**20:.0f} MiB "
+            f"is less than one block ({bytes_per_block / 2**20:.1f} MiB)"
+        )
+    return num_blocks
+
+
 class TorchModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int) -> None:
         """Allocates the KV cache: [layers, 2 (K, V), num_kv_blocks * block_size slots,
         kv_heads, head_dim], zeroed so that padding slots never carry NaNs."""
         self.model = model
         self.block_size = block_size
+        # Masked until min_new_tokens (the scheduler's finish check has the same ids).
+        self.eos_token_ids: frozenset[int] = frozenset()
         self.num_kv_blocks = num_kv_blocks
         args, weight = model.args, model.embed_tokens.weight
         self.device = weight.device
@@ -53,12 +119,22 @@ class TorchModelRunner:
         dtype: str = "float32",
         device: str = "cpu",
         num_threads: int = 0,
+        kv_memory_fraction: float = 0.0,
     ) -> TorchModelRunner:
+        """Loads the weights, then sizes the KV cache: at most `num_kv_blocks` blocks and at
+        most `kv_memory_fraction` of the memory left once the weights are in (0 = no bound
+        from that one)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         started = time.monotonic()
         model = load_model(model_path, DTYPES[dtype], device)
         logger.info("loaded weights from %s in %.1fs", model_path, time.monotonic() - started)
+        weight = model.embed_tokens.weight
+        bytes_per_block = kv_bytes_per_token(model.args, weight.dtype) * block_size
+        available = available_memory(weight.device) if kv_memory_fraction else 0
+        num_kv_blocks = num_kv_blocks_for(
+            num_kv_blocks, kv_memory_fraction, available, bytes_per_block
+        )
         runner = cls(model, num_kv_blocks, block_size)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s on %s)",
@@ -75,47 +151,106 @@ class TorchModelRunner:
         return self.model.args.vocab_size
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """The next token of each of `seqs`. A prefill feeds every token past the cached
-        ones, a decode only each sequence's last token."""
-        starts = [seq.num_cached_tokens if is_prefill else len(seq) - 1 for seq in seqs]
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        """The next token of each of `seqs` that reaches its last token in this step
+        (`seq.will_sample`), in order; logprobs and embeddings land on the sequences."""
+        hidden, batch = self.forward(seqs)
+        return self._outputs(seqs, hidden, batch)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionBatch]:
+        """Final hidden states [T, hidden] of the step's new tokens: `seq.num_new_tokens`
+        of each sequence, from `seq.num_computed_tokens` on."""
         input_ids = torch.tensor(
-            [t for seq, start in zip(seqs, starts, strict=True) for t in seq.token_ids[start:]],
+            [
+                t
+                for seq in seqs
+                for t in seq.token_ids[
+                    seq.num_computed_tokens : seq.num_computed_tokens + seq.num_new_tokens
+                ]
+            ],
             dtype=torch.long,
             device=self.device,
         )
-        batch = self._prepare(seqs, starts)
-        logits = self.model(input_ids, batch, self.kv_cache)
-        return sample(logits, [s.sampling for s in seqs], [s.num_completion_tokens for s in seqs])
+        batch = self._prepare(seqs)
+        return self.model(input_ids, batch, self.kv_cache), batch
 
-    def _prepare(self, seqs: list[Sequence], starts: list[int]) -> AttentionBatch:
+    def _outputs(
+        self, seqs: list[Sequence], hidden: torch.Tensor, batch: AttentionBatch
+    ) -> list[int]:
+        """Prompt logprobs and embeddings of the step's positions, then one token per
+        sequence sampled from its last position, with its logprobs (see outputs.py)."""
+        if any(wants_prompt_outputs(seq) for seq in seqs):
+            spans = step_spans(batch.positions, batch.last_index)
+            record_input_logprobs(self.model.compute_logits, hidden, seqs, spans)
+            record_embeddings(hidden, seqs, spans)
+        rows = [i for i, seq in enumerate(seqs) if seq.will_sample]
+        if not rows:  # only prefill chunks that stop short of their prompt's end
+            return []
+        samplers = [seqs[i] for i in rows]
+        logits = self.model.compute_logits(hidden[batch.last_index[rows]])
+        logits = process_logits(logits, samplers, self.eos_token_ids)
+        token_ids = sample(logits, samplers)
+        record_output_logprobs(logits, samplers, token_ids)
+        return token_ids
+
+    def _prepare(self, seqs: list[Sequence]) -> AttentionBatch:
         device, bs = self.device, self.block_size
-        kv_lens = torch.tensor([len(seq) for seq in seqs], device=device)
-        start = torch.tensor(starts, device=device)
-        q_lens = kv_lens - start
-        max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
-        # Cache slot of every context position of every sequence: [B, max_kv].
-        max_blocks = -(-max_kv // bs)
+        q_lens = torch.tensor([seq.num_new_tokens for seq in seqs], device=device)
+        starts = torch.tensor([seq.num_computed_tokens for seq in seqs], device=device)
+        first_row = torch.cumsum(q_lens, 0) - q_lens
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=device), q_lens)
+        rows = torch.arange(len(seq_of_token), device=device)
+        positions = starts[seq_of_token] + rows - first_row[seq_of_token]
+        max_blocks = max(len(seq.block_table) for seq in seqs)
         tables = torch.tensor(
             [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs],
             device=device,
         )
-        offsets = torch.arange(bs, device=device)
-        kv_slots = (tables.unsqueeze(-1) * bs + offsets).flatten(1)[:, :max_kv]
-        # Padded query layout [B, max_q]: row j of sequence b is position start_b + j.
-        q_pos = start.unsqueeze(1) + torch.arange(max_q, device=device)
-        is_query = torch.arange(max_q, device=device) < q_lens.unsqueeze(1)
-        key_pos = torch.arange(max_kv, device=device)
-        # Padding query rows still see key 0, so no softmax row is empty (NaN).
-        mask = (key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_lens.view(-1, 1, 1))
-        query_index = is_query.flatten().nonzero().squeeze(1)
-        positions = q_pos.flatten()[query_index]
-        seq_of_token = query_index // max_q
+        slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
+        # Decodes apart from prefill chunks, so one long chunk does not pad every decode.
+        decodes = [i for i, seq in enumerate(seqs) if seq.num_new_tokens == 1]
+        chunks = [i for i, seq in enumerate(seqs) if seq.num_new_tokens > 1]
+        groups = [
+            self._group(torch.tensor(index, device=device), tables, starts, q_lens, first_row)
+            for index in (decodes, chunks)
+            if index
+        ]
         return AttentionBatch(
             positions=positions,
-            slot_mapping=kv_slots[seq_of_token, positions],
-            query_index=query_index,
+            slot_mapping=slot_mapping,
+            groups=groups,
+            last_index=first_row + q_lens - 1,
+        )
+
+    def _group(
+        self,
+        index: torch.Tensor,
+        tables: torch.Tensor,
+        starts: torch.Tensor,
+        q_lens: torch.Tensor,
+        first_row: torch.Tensor,
+    ) -> AttentionGroup:
+        """The sequences `index` attended together: queries padded to [B, Lq], contexts
+        gathered as [B, Lk] cache slots."""
+        device, bs = self.device, self.block_size
+        start, q_len = starts[index], q_lens[index]
+        kv_len = start + q_len
+        max_q, max_kv = int(q_len.max()), int(kv_len.max())
+        offsets = torch.arange(bs, device=device)
+        blocks = tables[index, : -(-max_kv // bs)]
+        kv_slots = (blocks.unsqueeze(-1) * bs + offsets).flatten(1)[:, :max_kv]
+        # Row j of sequence b is position start_b + j; padding rows still see key 0, so no
+        # softmax row is empty (NaN).
+        q_pos = start.unsqueeze(1) + torch.arange(max_q, device=device)
+        key_pos = torch.arange(max_kv, device=device)
+        mask = (key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(-1, 1, 1))
+        is_query = torch.arange(max_q, device=device) < q_len.unsqueeze(1)
+        return AttentionGroup(
+            token_index=(first_row[index].unsqueeze(1) + torch.arange(max_q, device=device))[
+                is_query
+            ],
+            padded_index=is_query.flatten().nonzero().squeeze(1),
             kv_slots=kv_slots,
             mask=mask.unsqueeze(1),
-            last_index=torch.cumsum(q_lens, 0) - 1,
         )

@@ -3,9 +3,16 @@
 Pure Python (no torch, no redis), driven by plain calls from the loop:
 `add` → `schedule` → (model runner) → `postprocess`, with `abort` between steps.
 Continuous batching: new sequences join and finished ones leave between any two steps.
-A step is either a prefill (new sequences, prompt tokens) or a decode (one token for every
-running sequence), as in nano-vllm. When decode runs out of KV blocks the newest running
-sequence is preempted: it gives its blocks back and is recomputed from its tokens later.
+
+One step mixes prefill and decode under one token budget (`max_num_batched_tokens`, as in
+vLLM v1): running sequences first, in arrival order, each with its next token or the next
+chunk of its prompt, then waiting sequences while budget, `max_num_seqs` and KV blocks last.
+A long prompt is thus prefilled in chunks between decode steps, and a running stream waits
+at most one step of at most `max_num_batched_tokens` tokens for its next token. A sequence
+samples only in the step that reaches its last token. A new sequence skips the part of its
+prompt found in the prefix cache (block_manager.py). When the blocks run out, the newest
+running sequences are preempted: they give their blocks back (which stay cached) and are
+recomputed from their tokens later, and no waiting sequence starts in that step.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ logger = logging.getLogger(__name__)
 DecodeTail = Callable[[list[int]], str]
 
 ABORTED = FinishReason(type="abort", message="Abort requested.")
+EMBEDDED = FinishReason(type="length", length=0)
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,8 @@ class SchedulerConfig:
     max_model_len: int  # prompt + output tokens of one sequence
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 512  # tokens computed in one step (the chunk size too)
+    enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
 
@@ -46,7 +55,10 @@ class Scheduler:
         """`decode_tail(ids)` turns a few output ids into text for the stop-string check."""
         self.config = config
         self.decode_tail = decode_tail
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        assert config.max_num_batched_tokens > 0
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         # One sequence can never outgrow the whole cache.
         self.max_model_len = min(config.max_model_len, config.num_kv_blocks * config.block_size)
         self.waiting: deque[Sequence] = deque()
@@ -66,19 +78,22 @@ class Scheduler:
         n = seq.num_prompt_tokens
         if n == 0:
             return _bad_request("The input is empty.")
-        if n >= self.max_model_len:
+        if n > self.max_model_len or (n == self.max_model_len and not seq.embed):
             return _bad_request(
                 f"The input ({n} tokens) is longer than the model's context length "
                 f"({self.max_model_len} tokens)."
             )
-        bad_ids = [t for t in seq.token_ids if not 0 <= t < self.config.vocab_size]
+        sp, lp = seq.sampling, seq.logprobs
+        # Ids the sampler indexes with too: an out-of-vocabulary one would fail the batch.
+        other_ids = [*sp.stop_token_ids, *sp.logit_bias, *(lp.request.token_ids if lp else [])]
+        bad_ids = [t for t in seq.token_ids + other_ids if not 0 <= t < self.config.vocab_size]
         if bad_ids:
             return _bad_request(
                 f"Token id {bad_ids[0]} is out of vocabulary (vocab size {self.config.vocab_size})."
             )
         if seq.sampling.max_new_tokens < 0:
             return _bad_request("max_new_tokens must be at least 0.")
-        if seq.sampling.max_new_tokens == 0:
+        if seq.sampling.max_new_tokens == 0 and not seq.embed:
             return FinishReason(type="length", length=0)
         return None
 
@@ -99,56 +114,86 @@ class Scheduler:
         return not self.waiting and not self.running
 
     # -- stepping --------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences of the next model step and whether it is a prefill."""
-        seqs = self._schedule_prefill()
-        if seqs:
-            return seqs, True
-        return self._schedule_decode(), False
+    def schedule(self) -> list[Sequence]:
+        """The sequences of the next model step, each with its `num_new_tokens` set."""
+        budget = self.config.max_num_batched_tokens
+        num_running = len(self.running)
+        scheduled = self._schedule_running(budget)
+        budget -= sum(seq.num_new_tokens for seq in scheduled)
+        if len(self.running) == num_running:  # nothing was preempted: room for newcomers
+            scheduled += self._schedule_waiting(budget)
+        return scheduled
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        bm, num_tokens = self.block_manager, 0
+    def _schedule_running(self, budget: int) -> list[Sequence]:
+        """A decode token or the next prompt chunk of each running sequence, in order, while
+        the budget lasts; preempts the newest ones when the blocks run out."""
         scheduled: list[Sequence] = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            # The first sequence always fits the token budget: there is no chunked prefill yet.
-            over_budget = num_tokens + len(seq) > self.config.max_num_batched_tokens
-            if (scheduled and over_budget) or not bm.can_allocate(seq):
+        while len(scheduled) < len(self.running) and budget > 0:
+            seq = self.running[len(scheduled)]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + num_new):
                 break
-            bm.allocate(seq)
-            num_tokens += len(seq) - seq.num_cached_tokens
+            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+            seq.num_new_tokens = num_new
+            budget -= num_new
+            scheduled.append(seq)
+        return scheduled
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Preempt the newest running sequences until `seq` can hold `num_tokens` tokens;
+        False if `seq` itself had to go."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, budget: int) -> list[Sequence]:
+        """Start waiting sequences in order (their cached prefix, then a first chunk) while
+        the budget, max_num_seqs and the free blocks allow."""
+        bm = self.block_manager
+        scheduled: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            bm.allocate_cached_prefix(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
+                bm.deallocate(seq)
+                break
+            bm.allocate(seq, seq.num_computed_tokens + num_new)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.num_new_tokens = num_new
+            budget -= num_new
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             scheduled.append(seq)
         return scheduled
 
-    def _schedule_decode(self) -> list[Sequence]:
-        bm = self.block_manager
-        scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.config.max_num_seqs:
-            seq = self.running.popleft()
-            while not bm.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                bm.may_append(seq)
-                scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        return scheduled
-
     def _preempt(self, seq: Sequence) -> None:
         logger.info("rid=%s preempted (KV cache full) at %d tokens", seq.rid, len(seq))
         seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Append each sequence's new token; finish, free and return those that are done."""
+        """Mark each sequence's new tokens computed (caching its newly full blocks), then
+        append the sampled token of each that reached its end — `token_ids` has one per
+        `seq.will_sample`, in order; finish, free and return those that are done."""
+        samplers = [seq for seq in seqs if seq.will_sample]
+        for seq in seqs:
+            computed_before = seq.num_computed_tokens
+            seq.num_computed_tokens += seq.num_new_tokens
+            seq.num_new_tokens = 0
+            self.block_manager.cache_blocks(seq, computed_before)
         finished = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        for seq, token_id in zip(samplers, token_ids, strict=True):
+            if seq.embed:  # its prefill is its whole job: the runner set seq.embedding
+                self._finish(seq, EMBEDDED)
+                finished.append(seq)
+                continue
             seq.append_token(token_id)
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
@@ -165,7 +210,9 @@ class Scheduler:
             not sp.ignore_eos and token_id in self.config.eos_token_ids
         ):
             return FinishReason(type="stop", matched=token_id)
-        if sp.stop:
+        # Before min_new_tokens no stop string ends it either (SGLang; the sampler masks eos
+        # and stop_token_ids until then).
+        if sp.stop and seq.num_completion_tokens >= sp.min_new_tokens:
             matched = self._matched_stop(seq)
             if matched is not None:
                 return FinishReason(type="stop", matched=matched)
