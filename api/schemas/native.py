@@ -79,7 +79,22 @@ class SamplingParamsIn(RequestBody):
         )
 
 
-class GenerateRequest(RequestBody):
+class TextOnlyInput(RequestBody):
+    """SGLang's multimodal / embedding / LoRA inputs: accepted by name, rejected when set."""
+
+    input_embeds: Any = None
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    lora_path: Any = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> Self:
+        reject_present(self, _UNSUPPORTED_INPUTS)
+        return self
+
+
+class GenerateRequest(TextOnlyInput):
     """POST /generate: `text` or `input_ids`, single or batch."""
 
     text: OneOrList[SafeStr] | None = None
@@ -92,35 +107,15 @@ class GenerateRequest(RequestBody):
     top_logprobs_num: OneOrList[int] | None = None
     token_ids_logprob: TokenIdsInput | None = None
     return_text_in_logprobs: bool = False
-    input_embeds: Any = None
-    image_data: Any = None
-    audio_data: Any = None
-    video_data: Any = None
-    lora_path: Any = None
-
-    @model_validator(mode="after")
-    def _supported(self) -> Self:
-        reject_present(self, _UNSUPPORTED_INPUTS)
-        return self
 
 
-class EncodeRequest(RequestBody):
+class EncodeRequest(TextOnlyInput):
     """POST /encode (SGLang's EmbeddingReqInput): `text` (strings or cross-encoder pairs) or
     `input_ids`, single or batch."""
 
     text: EmbedInput | None = None
     input_ids: TokenIdsInput | None = None
     rid: OneOrList[Rid] | None = None
-    input_embeds: Any = None
-    image_data: Any = None
-    audio_data: Any = None
-    video_data: Any = None
-    lora_path: Any = None
-
-    @model_validator(mode="after")
-    def _supported(self) -> Self:
-        reject_present(self, _UNSUPPORTED_INPUTS)
-        return self
 
 
 class TokenizeRequest(RequestBody):
