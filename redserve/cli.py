@@ -36,7 +36,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
         "/generate streams deltas instead of cumulative text",
     ),
     "--device": ("scheduler.device", str, "cpu or cuda"),
-    "--dtype": ("scheduler.dtype", str, "float32, bfloat16 or float16"),
+    "--dtype": ("scheduler.dtype", str, "auto, float32, bfloat16 or float16"),
     "--kv-memory-fraction": (
         "scheduler.kv_memory_fraction",
         float,

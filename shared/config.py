@@ -47,7 +47,9 @@ class ApiSettings(BaseModel):
 class SchedulerSettings(BaseModel):
     worker_id: str = Field(default_factory=_default_instance_id)
     device: str = "cpu"
-    dtype: str = "float32"
+    # "auto": bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32 (the exact
+    # reference, matching HF fp32 greedy outputs token for token).
+    dtype: str = "auto"
     block_size: int = 16
     # The KV cache takes kv_memory_fraction of the memory available once the weights are
     # loaded (CPU: RAM within the cgroup limit; CUDA: free GPU memory), capped at

@@ -73,7 +73,9 @@ def stack(
         key_prefix=f"e2e{uuid.uuid4().hex[:6]}",
         model=model_path,
         api=ApiSettings(port=free_port(), api_id="e2e-api"),
-        scheduler=SchedulerSettings(worker_id="e2e-scheduler", kv_cache_tokens=8192),
+        scheduler=SchedulerSettings(
+            worker_id="e2e-scheduler", kv_cache_tokens=8192, dtype="float32"
+        ),
     )
     log_dir = tmp_path_factory.mktemp("stack-logs")
     stack = Stack(settings, start_tiers(settings, log_dir), log_dir)

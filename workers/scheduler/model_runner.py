@@ -38,6 +38,30 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`dtype`, or for "auto" the fastest one that is accurate enough: bfloat16 on CUDA and
+    on CPUs with native bf16 matmuls (AVX512-BF16 or AMX), else float32 (on 2 AVX512-BF16
+    cores bf16 decodes 1.4-2x faster; its accuracy: tests/model/test_bf16_tolerance.py)."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} (auto, {', '.join(DTYPES)})")
+        return dtype
+    if torch.device(device).type == "cuda":
+        return "bfloat16"
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16)."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX512_BF16":  # not all builds report it
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(word in ("avx512_bf16", "amx_bf16") for word in flags.split())
+
+
 def read_model_args(model_path: str) -> ModelArgs:
     return ModelArgs.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
 
@@ -127,6 +151,7 @@ class TorchModelRunner:
         if num_threads:
             torch.set_num_threads(num_threads)
         started = time.monotonic()
+        dtype = resolve_dtype(dtype, device)
         model = load_model(model_path, DTYPES[dtype], device)
         logger.info("loaded weights from %s in %.1fs", model_path, time.monotonic() - started)
         weight = model.embed_tokens.weight
