@@ -6,9 +6,7 @@ deployment would give them, so `up` exercises the same code paths as separate ma
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from shared.config import Settings
+from shared.config import Settings, child_process_env
 from shared.embedded_redis import EmbeddedRedis
 from shared.model_files import resolve_model
 
@@ -26,27 +24,11 @@ logger = logging.getLogger(__name__)
 TIERS = ("scheduler", "detokenizer", "api")
 
 
-def settings_env(settings: Settings) -> dict[str, str]:
-    """Settings as REDSERVE_* variables (nested fields joined with `__`)."""
-    env: dict[str, str] = {}
-
-    def walk(prefix: str, data: dict[str, Any]) -> None:
-        for name, value in data.items():
-            key = f"{prefix}{name.upper()}"
-            if isinstance(value, dict):
-                walk(key + "__", value)
-            elif value is not None:
-                env[key] = json.dumps(value) if isinstance(value, list) else str(value)
-
-    walk("REDSERVE_", settings.model_dump())
-    return env
-
-
 def start_tiers(
     settings: Settings, log_dir: Path | None = None
 ) -> dict[str, subprocess.Popen[bytes]]:
     """One OS process per tier; with `log_dir`, each tier's output goes to `{tier}.log`."""
-    env = {**os.environ, **settings_env(settings)}
+    env = child_process_env(settings)
     procs = {}
     for tier in TIERS:
         out = open(log_dir / f"{tier}.log", "wb") if log_dir else None  # noqa: SIM115

@@ -6,9 +6,12 @@ This is the only module that reads the environment. CLI flags map onto these fie
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import uuid
 from functools import lru_cache
+from typing import Any
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -96,6 +99,23 @@ class Settings(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     detokenizer: DetokenizerSettings = Field(default_factory=DetokenizerSettings)
+
+
+def child_process_env(settings: Settings) -> dict[str, str]:
+    """This process's environment plus `settings` as REDSERVE_* variables (nested fields
+    joined with `__`): how `redserve up` hands its settings to the tiers it starts."""
+    env = dict(os.environ)
+
+    def walk(prefix: str, data: dict[str, Any]) -> None:
+        for name, value in data.items():
+            key = f"{prefix}{name.upper()}"
+            if isinstance(value, dict):
+                walk(key + "__", value)
+            elif value is not None:
+                env[key] = json.dumps(value) if isinstance(value, list) else str(value)
+
+    walk("REDSERVE_", settings.model_dump())
+    return env
 
 
 @lru_cache
