@@ -92,6 +92,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="", help="HF folder (default: the packaged SmolLM2)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--quantization", default="none", help="none or int4 (the engine only)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -104,7 +105,9 @@ def main() -> None:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     max_tokens = max(args.batch) * (args.input_len + args.output_len + 16)
-    runner = TorchModelRunner.load(model_path, -(-max_tokens // 16), 16, dtype)
+    runner = TorchModelRunner.load(
+        model_path, -(-max_tokens // 16), 16, dtype, quantization=args.quantization
+    )
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -124,8 +127,9 @@ def main() -> None:
 
     command = " ".join(["python", *sys.argv])
     lines = [
-        f"`{command}` ({dtype}, {torch.get_num_threads()} threads, {args.input_len} in / "
-        f"{args.output_len} out, torch {torch.__version__})",
+        f"`{command}` ({dtype}, quantization {args.quantization}, "
+        f"{torch.get_num_threads()} threads, {args.input_len} in / {args.output_len} out, "
+        f"torch {torch.__version__})",
         "",
         "| engine | batch | output tok/s | prefill s | decode step ms p50 |",
         "|---|---:|---:|---:|---:|",

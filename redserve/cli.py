@@ -37,6 +37,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     ),
     "--device": ("scheduler.device", str, "cpu or cuda"),
     "--dtype": ("scheduler.dtype", str, "auto, float32, bfloat16 or float16"),
+    "--quantization": ("scheduler.quantization", str, "none or int4 (CPU, small steps)"),
     "--kv-memory-fraction": (
         "scheduler.kv_memory_fraction",
         float,

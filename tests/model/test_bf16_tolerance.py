@@ -1,10 +1,8 @@
-"""bfloat16 against the fp32 reference on the real SmolLM2 (the engine's decode path).
+"""bfloat16 against the fp32 reference on the real SmolLM2 (teacher_forcing.py).
 
-Five prompts decode together, batched, for STEPS tokens along the fp32 greedy trajectory:
-both dtypes are fed the same tokens (teacher forcing), so each step compares the two next-
-token predictions of the same context. Measured on 2 AVX512-BF16 cores (torch 2.13): top-1
-agreement 0.975 (156/160), mean |logprob error| of the fp32 greedy token 0.022, max 0.27.
-The bounds below leave room for other CPUs' kernels.
+Measured on 2 AVX512-BF16 cores (torch 2.13): top-1 agreement 0.975 (156/160), mean
+|logprob error| of the fp32 greedy token 0.022, max 0.27. The bounds below leave room for
+other CPUs' kernels.
 """
 
 from __future__ import annotations
@@ -12,62 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.protocol import SamplingParams
+from tests.model.teacher_forcing import TEXTS, agreement, teacher_forced
 from workers.scheduler.model_runner import TorchModelRunner
-from workers.scheduler.scheduler import Scheduler, SchedulerConfig
-from workers.scheduler.sequence import Sequence
 
 pytestmark = pytest.mark.model
 
-STEPS = 32
 MIN_TOP1_AGREEMENT = 0.9
 MAX_MEAN_LOGPROB_ERROR = 0.06
-TEXTS = [
-    "The capital of France is",
-    "def add(a, b):\n    return",
-    "Once upon a time, in a small village, there lived",
-    "1, 2, 3, 4, 5,",
-    "Water boils at a temperature of",
-]
-
-
-def teacher_forced(
-    runner: TorchModelRunner, prompts: list[list[int]], forced: list[list[int]] | None
-) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    """Decode all prompts together for STEPS tokens, appending `forced` (or, if None, the
-    greedy argmax); the tokens appended and each step's log-softmax rows, per prompt."""
-    config = SchedulerConfig(
-        num_kv_blocks=runner.num_kv_blocks,
-        vocab_size=runner.vocab_size,
-        max_model_len=1024,
-        block_size=runner.block_size,
-        max_num_batched_tokens=4096,
-        eos_token_ids=frozenset(),
-    )
-    core = Scheduler(config, decode_tail=lambda ids: "")
-    seqs = [
-        Sequence(f"r{i}", ids, SamplingParams(max_new_tokens=STEPS, temperature=0))
-        for i, ids in enumerate(prompts)
-    ]
-    for seq in seqs:
-        assert core.add(seq) is None
-    tokens: list[list[int]] = [[] for _ in prompts]
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-    for step in range(STEPS):
-        batch = core.schedule()
-        assert len(batch) == len(seqs)
-        with torch.inference_mode():
-            hidden, attention = runner.forward(batch)
-            logprobs = runner.model.compute_logits(hidden[attention.last_index]).log_softmax(-1)
-        step_tokens = []
-        for seq, row in zip(batch, logprobs, strict=True):
-            i = seqs.index(seq)
-            token = forced[i][step] if forced else int(row.argmax())
-            tokens[i].append(token)
-            rows[i].append(row)
-            step_tokens.append(token)
-        core.postprocess(batch, step_tokens)
-    return tokens, rows
 
 
 def test_bf16_follows_the_fp32_greedy_trajectory(model_path: str) -> None:
@@ -80,14 +29,6 @@ def test_bf16_follows_the_fp32_greedy_trajectory(model_path: str) -> None:
     bf16 = TorchModelRunner.load(model_path, 64, 16, dtype="bfloat16")
     assert bf16.kv_cache.dtype == torch.bfloat16
     _, rows = teacher_forced(bf16, prompts, reference)
-    agree, errors = 0, []
-    for tokens, ref, low in zip(reference, ref_rows, rows, strict=True):
-        for token, ref_row, row in zip(tokens, ref, low, strict=True):
-            assert row.dtype == torch.float32  # logits stay fp32
-            agree += int(row.argmax()) == token
-            errors.append(abs(float(row[token]) - float(ref_row[token])))
-    total = len(errors)
-    mean_error = sum(errors) / total
-    summary = f"top-1 {agree}/{total}, mean |logprob error| {mean_error:.4f}"
-    assert agree / total >= MIN_TOP1_AGREEMENT, summary
-    assert mean_error <= MAX_MEAN_LOGPROB_ERROR, summary
+    result = agreement(reference, ref_rows, rows)
+    assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
+    assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)

@@ -61,6 +61,7 @@ def build_loop(settings: Settings) -> SchedulerLoop:
         sched.device,
         sched.num_threads,
         kv_memory_fraction=sched.kv_memory_fraction,
+        quantization=sched.quantization,
     )
     args = runner.model.args
     max_model_len = min(

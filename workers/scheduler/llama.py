@@ -138,6 +138,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # one fused kernel, bit-identical to the lines below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -186,14 +188,14 @@ class Attention(nn.Module):
         batch: AttentionBatch,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # q and k heads rotated in one go: half the ops per layer of rotating them apart.
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
@@ -228,6 +230,8 @@ class Attention(nn.Module):
                 enable_gqa=True,
             ).transpose(1, 2)
             attended = attended.reshape(-1, self.num_heads, self.head_dim).to(q.dtype)
+            if max_q == 1 and len(batch.groups) == 1:  # all decodes: rows already in order
+                return attended
             out[group.token_index] = attended if max_q == 1 else attended[group.padded_index]
         return out
 
@@ -267,6 +271,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    lm_head: nn.Module  # an nn.Linear, or its CompactLinear wrapper (quantization.py)
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ from workers.scheduler.outputs import (
     step_spans,
     wants_prompt_outputs,
 )
+from workers.scheduler.quantization import quantize_model
 from workers.scheduler.sampler import process_logits, sample
 from workers.scheduler.sequence import Sequence
 
@@ -144,15 +145,19 @@ class TorchModelRunner:
         device: str = "cpu",
         num_threads: int = 0,
         kv_memory_fraction: float = 0.0,
+        quantization: str = "none",
     ) -> TorchModelRunner:
-        """Loads the weights, then sizes the KV cache: at most `num_kv_blocks` blocks and at
-        most `kv_memory_fraction` of the memory left once the weights are in (0 = no bound
-        from that one)."""
+        """Loads the weights (plus compact copies with `quantization`, see quantization.py),
+        then sizes the KV cache: at most `num_kv_blocks` blocks and at most
+        `kv_memory_fraction` of the memory left once the weights are in (0 = no bound from
+        that one)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         started = time.monotonic()
         dtype = resolve_dtype(dtype, device)
         model = load_model(model_path, DTYPES[dtype], device)
+        if quantize_model(model, quantization):
+            logger.info("compact %s copies of the projections for small steps", quantization)
         logger.info("loaded weights from %s in %.1fs", model_path, time.monotonic() - started)
         weight = model.embed_tokens.weight
         bytes_per_block = kv_bytes_per_token(model.args, weight.dtype) * block_size

@@ -1,0 +1,115 @@
+"""Weight-only quantized projections for small CPU steps (`--quantization int4`).
+
+A decode step of a few sequences is memory-bound: every step reads all the weights once, so
+their size sets its time. Measured on 2 AVX2 cores (torch 2.13, the model's 120 projections,
+bench/README.md): fp32 `F.linear` takes 28 ms at 1 token, torch's packed int4 kernel
+(`_weight_int4pack_mm_for_cpu`, bf16 activations) 9 ms; at 64 tokens the packed kernel is
+compute-bound and slower than fp32 (196 vs 124 ms). So each `CompactLinear` keeps the dense
+weight and a compact copy, and takes the compact one only for steps of at most
+`COMPACT_MAX_TOKENS` tokens: decodes of small batches; prefills and large batches stay dense.
+
+Decoder projections: int4, asymmetric, groups of 32 along the input dim (scale and zero per
+group). SmolLM2's packaged weights come from a Q4_1 GGUF (the same layout), so requantizing
+them is close to lossless. The LM head: int8 per output channel (its int4 copy cost 22 of
+160 top-1 agreements in that measurement; int8 costs none). Accuracy against the fp32
+reference: tests/model/test_quantization.py. CPU only: the CUDA int4 kernel wants
+another packing.
+
+Whether a step is compact depends on how many tokens it carries, so with quantization on,
+a request's tokens can differ (rarely) with the batch it shares: quantization is opt-in and
+fp32 without it stays the exact, batch-invariant reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.scheduler.llama import LlamaForCausalLM
+
+QUANTIZATIONS = ("none", "int4")
+COMPACT_MAX_TOKENS = 16  # crossover measured above: 16 tokens int4 45 ms vs fp32 53 ms
+INT4_GROUP_SIZE = 32
+
+
+class CompactLinear(nn.Module):
+    """An `nn.Linear` (kept, for large steps) plus a compact copy of its weight for small
+    ones; the output has the input's dtype either way."""
+
+    def __init__(self, dense: nn.Linear, bits: int) -> None:
+        super().__init__()
+        self.dense = dense
+        self.bits = bits
+        weight = dense.weight.detach().float()
+        if bits == 4:
+            packed, scales_and_zeros = _int4_groups(weight, INT4_GROUP_SIZE)
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales", scales_and_zeros, persistent=False)
+        else:
+            int8, scales = _int8_channels(weight)
+            self.register_buffer("packed", int8, persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > COMPACT_MAX_TOKENS:
+            return self.dense(x)
+        # The packed kernels are vectorized for bf16 activations (fp32 ones are ~10x slower).
+        low = x.to(torch.bfloat16)
+        if self.bits == 4:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                low, self.packed, INT4_GROUP_SIZE, self.scales
+            )
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(low, self.packed, self.scales)
+        out = out.to(x.dtype)
+        return out if self.dense.bias is None else out + self.dense.bias
+
+
+def quantize_model(model: LlamaForCausalLM, method: str) -> int:
+    """Wraps the decoder's projections (int4) and the LM head (int8) in `CompactLinear`;
+    the number wrapped. Projections whose input dim is not a multiple of the int4 group
+    stay dense."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {method!r} ({', '.join(QUANTIZATIONS)})")
+    if method == "none":
+        return 0
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("--quantization int4 runs on CPU only (its packed kernels are CPU's)")
+    wrapped = 0
+    for layer in model.layers:
+        for parent, name in (
+            (layer.self_attn, "qkv_proj"),
+            (layer.self_attn, "o_proj"),
+            (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj"),
+        ):
+            dense = getattr(parent, name)
+            if dense.in_features % INT4_GROUP_SIZE == 0:
+                setattr(parent, name, CompactLinear(dense, bits=4))
+                wrapped += 1
+    assert isinstance(model.lm_head, nn.Linear)
+    model.lm_head = CompactLinear(model.lm_head, bits=8)
+    return wrapped + 1
+
+
+def _int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group` inputs: w ≈ (q - 8) * scale + zero with q in
+    [0, 15] (the packed kernel's convention). Returns the packed weight and the
+    [in / group, out, 2] bf16 scales and zeros."""
+    out_features, in_features = weight.shape
+    groups = weight.view(out_features, in_features // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-10)
+    q = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15)
+    q = q.to(torch.int32).view(out_features, in_features)
+    zero = low + 8 * scale
+    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed, scales_and_zeros.to(torch.bfloat16)
+
+
+def _int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: w ≈ q * scale."""
+    scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    q = torch.round(weight / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(torch.bfloat16)
