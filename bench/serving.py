@@ -154,6 +154,8 @@ def print_table(rows: list[dict[str, float]]) -> None:
 async def main_async(args: argparse.Namespace) -> list[dict[str, float]]:
     async with httpx.AsyncClient(base_url=args.url, timeout=30) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+    if args.warmup:  # first-call costs (and a scheduler still loading) stay out of the rows
+        await run_level(args.url, model, make_prompts(args.tokenizer, args.warmup, 16), 1, 8)
     rows = []
     for conc in args.concurrency:
         n = max(args.num_prompts, conc) if args.num_prompts else conc * 2
@@ -172,6 +174,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=0, help="per level (default 2x concurrency)")
     p.add_argument("--out", default="", help="write the rows as JSON here")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured short requests first")
     args = p.parse_args()
     sys.stdout.write("command: " + " ".join(sys.argv) + "\n")
     rows = asyncio.run(main_async(args))

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One sitting: llama.cpp's llama-server, then `redserve up` (default settings), then
+# `redserve up --quantization int4`, each alone on the machine, through bench/serving.py at
+# concurrency 1, 4, 16 and 64 (128 prompt tokens, 128 output tokens, greedy, streaming).
+#
+#   LLAMA_SERVER=/tmp/peers/.../build/bin/llama-server bash bench/sitting.sh
+#
+# Tables (markdown) and rows (JSON) land in $OUT (default /tmp/redserve-bench).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+OUT=${OUT:-/tmp/redserve-bench}
+CONCURRENCY=${CONCURRENCY:-1 4 16 64}
+mkdir -p "$OUT"
+GGUF=$($PY -c "from shared.model_files import default_gguf_path; print(default_gguf_path())")
+TOK=$($PY -c "from shared.model_files import resolve_model; print(resolve_model(''))")
+
+wait_ready() {  # an OpenAI server answers /v1/models
+    for _ in $(seq 300); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done
+    echo "no answer from $1" >&2; return 1
+}
+
+measure() {  # name url
+    # shellcheck disable=SC2086
+    $PY bench/serving.py --url "$2" --tokenizer "$TOK" --concurrency $CONCURRENCY \
+        --out "$OUT/$1.json" | tee "$OUT/$1.md"
+}
+
+stop() { kill -INT "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+
+if [ -n "${LLAMA_SERVER:-}" ]; then
+    "$LLAMA_SERVER" -m "$GGUF" --parallel 16 -c 8192 --port 8080 >"$OUT/llama-server.log" 2>&1 &
+    pid=$!
+    wait_ready http://127.0.0.1:8080 && measure llama-server http://127.0.0.1:8080
+    stop $pid
+fi
+for quantization in none int4; do
+    .venv/bin/redserve up --port 30000 --quantization "$quantization" \
+        >"$OUT/redserve-$quantization.log" 2>&1 &
+    pid=$!
+    wait_ready http://127.0.0.1:30000 && measure "redserve-$quantization" http://127.0.0.1:30000
+    stop $pid
+done
