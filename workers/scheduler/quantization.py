@@ -42,11 +42,11 @@ class CompactLinear(nn.Module):
         self.bits = bits
         weight = dense.weight.detach().float()
         if bits == 4:
-            packed, scales_and_zeros = _int4_groups(weight, INT4_GROUP_SIZE)
+            packed, scales_and_zeros = int4_groups(weight, INT4_GROUP_SIZE)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales", scales_and_zeros, persistent=False)
         else:
-            int8, scales = _int8_channels(weight)
+            int8, scales = int8_channels(weight)
             self.register_buffer("packed", int8, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
 
@@ -92,7 +92,7 @@ def quantize_model(model: LlamaForCausalLM, method: str) -> int:
     return wrapped + 1
 
 
-def _int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric int4 per group of `group` inputs: w ≈ (q - 8) * scale + zero with q in
     [0, 15] (the packed kernel's convention). Returns the packed weight and the
     [in / group, out, 2] bf16 scales and zeros."""
@@ -108,7 +108,7 @@ def _int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     return packed, scales_and_zeros.to(torch.bfloat16)
 
 
-def _int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel: w ≈ q * scale."""
     scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-10)
     q = torch.round(weight / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
