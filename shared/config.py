@@ -54,8 +54,8 @@ class SchedulerSettings(BaseModel):
     # reference, matching HF fp32 greedy outputs token for token).
     dtype: str = "auto"
     # "int4": CPU steps of at most 16 tokens (small-batch decodes) use int4 copies of the
-    # decoder's projections and an int8 LM head; larger steps the dense weights. About 2x
-    # faster single-stream decode on 2 CPU cores; its accuracy and why it is opt-in:
+    # decoder's projections and an int8 LM head; larger steps the dense weights. Single-stream
+    # decode 1.4-1.6x faster on 2 AVX2 cores (bench/README.md); its accuracy and why it is opt-in:
     # workers/scheduler/quantization.py.
     quantization: Literal["none", "int4"] = "none"
     block_size: int = 16
