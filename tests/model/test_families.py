@@ -13,6 +13,7 @@ import torch
 from shared.protocol import SamplingParams
 from workers.scheduler.llama import ModelArgs
 from workers.scheduler.model_runner import TorchModelRunner
+from workers.scheduler.quantization import CompactLinear, fits
 from workers.scheduler.sequence import Sequence
 
 BLOCK_SIZE = 16
@@ -96,6 +97,31 @@ def test_logits_match_hugging_face_in_prefill_and_decode(family: Any) -> None:
                 torch.testing.assert_close(logits, theirs, rtol=1e-4, atol=1e-4)
 
 
+def test_int4_runs_every_family_close_to_fp32(family: Any) -> None:
+    """Random weights are the worst case for int4 (no Q4 origin: logits move by up to ~20%
+    of their range), so the check is loose: every family's shapes pack, and the compact
+    path's logits follow the dense ones."""
+    _, folder = family
+    dense = TorchModelRunner.load(str(folder), num_kv_blocks=16, block_size=BLOCK_SIZE)
+    int4 = TorchModelRunner.load(
+        str(folder), num_kv_blocks=16, block_size=BLOCK_SIZE, quantization="int4"
+    )
+    assert isinstance(int4.model.layers[0].mlp.gate_up_proj, CompactLinear)
+    prompts = [[3, 5, 7, 11, 13], [2, 4, 6]]
+    seqs = {name: _seqs(prompts) for name in ("dense", "int4")}
+    with torch.inference_mode():
+        for runner, name in ((dense, "dense"), (int4, "int4")):
+            step(runner, seqs[name])  # prefill: 8 tokens, the compact path
+            for seq in seqs[name]:
+                seq.append_token(9)
+        exact = dense.model.compute_logits(step(dense, seqs["dense"]))
+        compact = int4.model.compute_logits(step(int4, seqs["int4"]))
+    assert not torch.equal(compact, exact)
+    # Measured: correlation 0.980-0.993 over the families (a wrong packing gives ~0).
+    correlation = torch.corrcoef(torch.stack([compact.flatten(), exact.flatten()]))[0, 1]
+    assert correlation > 0.95
+
+
 def step(runner: TorchModelRunner, seqs: list[Sequence]) -> torch.Tensor:
     """Hidden states of every token not yet in the cache (the scheduler's part by hand)."""
     for seq in seqs:
@@ -119,6 +145,22 @@ def test_a_sliding_window_shorter_than_the_context_caps_the_context() -> None:
     assert ModelArgs.from_hf_config(mistral.to_dict()).max_position_embeddings == 4096
     unused = Qwen2Config(**{**SMALL, "max_position_embeddings": 8192}, sliding_window=4096)
     assert ModelArgs.from_hf_config(unused.to_dict()).max_position_embeddings == 8192
+
+
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "bits", "packs"),
+    [
+        (64, 96, 4, True),
+        (64, 100, 4, False),
+        (63, 96, 4, False),
+        (64, 100, 8, True),
+        (63, 16, 8, False),
+    ],
+)
+def test_shapes_the_packed_kernels_cannot_take_stay_dense(
+    in_features: int, out_features: int, bits: int, packs: bool
+) -> None:
+    assert fits(torch.nn.Linear(in_features, out_features), bits) is packs
 
 
 def test_weights_missing_from_the_folder_are_an_error(tmp_path: Path) -> None:

@@ -67,8 +67,7 @@ class CompactLinear(nn.Module):
 
 def quantize_model(model: LlamaForCausalLM, method: str) -> int:
     """Wraps the decoder's projections (int4) and the LM head (int8) in `CompactLinear`;
-    the number wrapped. Projections whose input dim is not a multiple of the int4 group
-    stay dense."""
+    the number wrapped. Shapes the packed kernels cannot take stay dense (see `fits`)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r} ({', '.join(QUANTIZATIONS)})")
     if method == "none":
@@ -84,12 +83,24 @@ def quantize_model(model: LlamaForCausalLM, method: str) -> int:
             (layer.mlp, "down_proj"),
         ):
             dense = getattr(parent, name)
-            if dense.in_features % INT4_GROUP_SIZE == 0:
+            if fits(dense, bits=4):
                 setattr(parent, name, CompactLinear(dense, bits=4))
                 wrapped += 1
     assert isinstance(model.lm_head, nn.Linear)
-    model.lm_head = CompactLinear(model.lm_head, bits=8)
-    return wrapped + 1
+    if fits(model.lm_head, bits=8):
+        model.lm_head = CompactLinear(model.lm_head, bits=8)
+        wrapped += 1
+    return wrapped
+
+
+def fits(dense: nn.Linear, bits: int) -> bool:
+    """Whether the packed kernel takes this shape. int4 packing wants whole groups along
+    the input and output channels in multiples of 16 (it raises otherwise); the int8 kernel
+    crashes the process (SIGSEGV, torch 2.13) on an input dim that is not a multiple of 8,
+    so we ask for whole groups of 32 there too."""
+    if dense.in_features % INT4_GROUP_SIZE:
+        return False
+    return bits == 8 or dense.out_features % 16 == 0
 
 
 def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
