@@ -9,14 +9,15 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
-from shared.config import Settings
+from shared.config import SchedulerSettings, Settings
 from shared.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
 
-# flag -> (path in Settings, type, help); `list` flags repeat, `bool` flags take no value.
+# flag -> (path in Settings, type, help); `list` flags repeat, `bool` flags take no value, a
+# tuple is the flag's choices.
 _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model", str, "HF folder, .gguf file or hub id (default: packaged SmolLM2)"),
     "--redis-url": ("redis_url", str, "use this Redis instead of an embedded one"),
@@ -37,7 +38,11 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     ),
     "--device": ("scheduler.device", str, "cpu or cuda"),
     "--dtype": ("scheduler.dtype", str, "auto, float32, bfloat16 or float16"),
-    "--quantization": ("scheduler.quantization", str, "none or int4 (CPU, small steps)"),
+    "--quantization": (
+        "scheduler.quantization",
+        get_args(SchedulerSettings.model_fields["quantization"].annotation),
+        "int4: small CPU steps read int4 weights (default none)",
+    ),
     "--kv-memory-fraction": (
         "scheduler.kv_memory_fraction",
         float,
@@ -73,6 +78,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="append", default=None, help=flag_help)
         elif typ is bool:
             parser.add_argument(flag, action="store_true", default=None, help=flag_help)
+        elif isinstance(typ, tuple):
+            parser.add_argument(flag, choices=typ, default=None, help=flag_help)
         else:
             parser.add_argument(flag, type=typ, default=None, help=flag_help)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from redserve.cli import build_parser, settings_from_args
 from shared.config import ApiSettings, SchedulerSettings, Settings, child_process_env
 
 
@@ -12,9 +13,23 @@ def test_child_process_env_round_trips_every_setting(monkeypatch: pytest.MonkeyP
         redis_url="redis://127.0.0.1:1/0",
         model="/models/x",
         api=ApiSettings(port=31234, api_keys=["k1", "k2"], served_model_name="m"),
-        scheduler=SchedulerSettings(worker_id="w", dtype="float32", max_num_seqs=7),
+        scheduler=SchedulerSettings(
+            worker_id="w", dtype="float32", quantization="int4", max_num_seqs=7
+        ),
     )
     for key, value in child_process_env(settings).items():
         if key.startswith("REDSERVE_"):
             monkeypatch.setenv(key, value)
     assert Settings() == settings
+
+
+def test_quantization_flag_maps_onto_settings_and_rejects_unknown_methods(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["up", "--quantization", "int4"])
+    assert settings_from_args(args).scheduler.quantization == "int4"
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["up", "--quantization", "int3"])
+    assert exit_info.value.code == 2
+    assert "choose from 'none', 'int4'" in capsys.readouterr().err
