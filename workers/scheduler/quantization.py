@@ -2,16 +2,17 @@
 
 A decode step of a few sequences is memory-bound: every step reads all the weights once, so
 their size sets its time. Measured on 2 AVX2 cores (torch 2.13, the model's 120 projections,
-bench/README.md): fp32 `F.linear` takes 28 ms at 1 token, torch's packed int4 kernel
-(`_weight_int4pack_mm_for_cpu`, bf16 activations) 9 ms; at 64 tokens the packed kernel is
-compute-bound and slower than fp32 (196 vs 124 ms). So each `CompactLinear` keeps the dense
-weight and a compact copy, and takes the compact one only for steps of at most
-`COMPACT_MAX_TOKENS` tokens: decodes of small batches; prefills and large batches stay dense.
+`bench/kernels.py`): fp32 `F.linear` takes 34 ms at 1 token, torch's packed int4 kernel
+(`_weight_int4pack_mm_for_cpu`, bf16 activations) 9 ms; from 32 tokens on the packed kernel
+is compute-bound and no faster than fp32 (32 tokens: 143-147 vs 119-137 ms). So each
+`CompactLinear` keeps the dense weight and a compact copy, and takes the compact one only
+for steps of at most `COMPACT_MAX_TOKENS` tokens: decodes of small batches; prefills and
+large batches stay dense.
 
 Decoder projections: int4, asymmetric, groups of 32 along the input dim (scale and zero per
 group). SmolLM2's packaged weights come from a Q4_1 GGUF (the same layout), so requantizing
-them is close to lossless. The LM head: int8 per output channel (its int4 copy cost 22 of
-160 top-1 agreements in that measurement; int8 costs none). Accuracy against the fp32
+them is close to lossless. The LM head: int8 per output channel (an int4 head cost 21 of
+160 top-1 agreements with fp32; the int8 one costs 1). Accuracy against the fp32
 reference: tests/model/test_quantization.py. CPU only: the CUDA int4 kernel wants
 another packing.
 
@@ -28,7 +29,7 @@ from torch import nn
 from workers.scheduler.llama import LlamaForCausalLM
 
 QUANTIZATIONS = ("none", "int4")
-COMPACT_MAX_TOKENS = 16  # crossover measured above: 16 tokens int4 45 ms vs fp32 53 ms
+COMPACT_MAX_TOKENS = 16  # crossover: at 16 tokens int4 45-78 ms vs fp32 53-88 ms (4 runs)
 INT4_GROUP_SIZE = 32
 
 
