@@ -18,8 +18,6 @@ from workers.scheduler.scheduler import Scheduler, SchedulerConfig
 from workers.scheduler.sequence import Sequence
 
 STEPS = 32
-MIN_TOP1_AGREEMENT = 0.9
-MAX_MEAN_LOGPROB_ERROR = 0.06
 TEXTS = [
     "The capital of France is",
     "def add(a, b):\n    return",
@@ -69,6 +67,25 @@ def teacher_forced(
 
 
 @dataclass
+class Reference:
+    """The fp32 runs every mode is compared with: prompts, greedy tokens, log-softmax rows."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    rows: list[list[torch.Tensor]]
+
+
+def fp32_reference(model_path: str) -> Reference:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = [list(tokenizer(t)["input_ids"]) for t in TEXTS]
+    fp32 = TorchModelRunner.load(model_path, 64, 16, dtype="float32")
+    tokens, rows = teacher_forced(fp32, prompts, None)
+    return Reference(prompts, tokens, rows)
+
+
+@dataclass
 class Agreement:
     top1: int
     total: int
@@ -82,11 +99,11 @@ class Agreement:
         )
 
 
-def agreement(
-    reference: list[list[int]], ref_rows: list[list[torch.Tensor]], rows: list[list[torch.Tensor]]
-) -> Agreement:
+def agreement(reference: Reference, runner: TorchModelRunner) -> Agreement:
+    """`runner` fed the reference's tokens, scored against the reference's predictions."""
+    _, rows = teacher_forced(runner, reference.prompts, reference.tokens)
     top1, errors = 0, []
-    for tokens, ref, low in zip(reference, ref_rows, rows, strict=True):
+    for tokens, ref, low in zip(reference.tokens, reference.rows, rows, strict=True):
         for token, ref_row, row in zip(tokens, ref, low, strict=True):
             assert row.dtype == torch.float32  # logits stay fp32
             top1 += int(row.argmax()) == token

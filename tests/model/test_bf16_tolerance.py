@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.teacher_forcing import TEXTS, agreement, teacher_forced
+from tests.model.teacher_forcing import Reference, agreement
 from workers.scheduler.model_runner import TorchModelRunner
 
 pytestmark = pytest.mark.model
@@ -19,16 +19,9 @@ MIN_TOP1_AGREEMENT = 0.9
 MAX_MEAN_LOGPROB_ERROR = 0.06
 
 
-def test_bf16_follows_the_fp32_greedy_trajectory(model_path: str) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = [list(tokenizer(t)["input_ids"]) for t in TEXTS]
-    fp32 = TorchModelRunner.load(model_path, 64, 16, dtype="float32")
-    reference, ref_rows = teacher_forced(fp32, prompts, None)
+def test_bf16_follows_the_fp32_greedy_trajectory(model_path: str, reference: Reference) -> None:
     bf16 = TorchModelRunner.load(model_path, 64, 16, dtype="bfloat16")
     assert bf16.kv_cache.dtype == torch.bfloat16
-    _, rows = teacher_forced(bf16, prompts, reference)
-    result = agreement(reference, ref_rows, rows)
+    result = agreement(reference, bf16)
     assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
     assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.model.teacher_forcing import TEXTS, agreement, teacher_forced
+from tests.model.teacher_forcing import Reference, agreement
 from workers.scheduler.model_runner import TorchModelRunner
 from workers.scheduler.quantization import COMPACT_MAX_TOKENS, CompactLinear, quantize_model
 
@@ -48,16 +48,9 @@ def test_quantize_model_wraps_every_projection_and_the_head(model_path: str) -> 
         quantize_model(model, "int3")
 
 
-def test_int4_follows_the_fp32_greedy_trajectory(model_path: str) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = [list(tokenizer(t)["input_ids"]) for t in TEXTS]
-    assert len(prompts) <= COMPACT_MAX_TOKENS  # the decode steps take the compact weights
-    fp32 = TorchModelRunner.load(model_path, 64, 16, dtype="float32")
-    reference, ref_rows = teacher_forced(fp32, prompts, None)
+def test_int4_follows_the_fp32_greedy_trajectory(model_path: str, reference: Reference) -> None:
+    assert len(reference.prompts) <= COMPACT_MAX_TOKENS  # decode steps take the compact weights
     int4 = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="int4")
-    _, rows = teacher_forced(int4, prompts, reference)
-    result = agreement(reference, ref_rows, rows)
+    result = agreement(reference, int4)
     assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
     assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)
