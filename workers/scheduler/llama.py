@@ -115,6 +115,11 @@ class AttentionGroup:
     padded_index: torch.Tensor  # [Tg] their rows in the padded [B * Lq] layout
     kv_slots: torch.Tensor  # [B, Lk] cache slots of each sequence's context
     mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = attend
+    # Decode groups only (Lq = 1), for `_attend_decodes`: the context's rows of a cache
+    # layer seen as [slots * kv_heads, head_dim], head-major ([kv_heads, B, Lk] flattened),
+    # and the mask as a score bias [1, B, 1, Lk] (0 = attend, -inf = padding).
+    head_rows: torch.Tensor | None = None
+    score_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -206,34 +211,68 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
         out = torch.empty_like(q)
+        all_decodes = len(batch.groups) == 1 and batch.groups[0].mask.shape[2] == 1
         for group in batch.groups:
-            num_seqs, _, max_q, max_kv = group.mask.shape
-            # index_select over the flat slots is ~2x faster than k_cache[kv_slots].
-            slots = group.kv_slots.flatten()
-            shape = (num_seqs, max_kv, self.num_kv_heads, self.head_dim)
-            keys = k_cache.index_select(0, slots).view(shape)  # [B, Lk, kv_heads, head_dim]
-            values = v_cache.index_select(0, slots).view(shape)
-            if max_q == 1:  # decodes: one query per sequence, no padding
-                queries = q[group.token_index].unsqueeze(1)
-            else:
-                queries = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
-                queries[group.padded_index] = q[group.token_index]
-                queries = queries.view(num_seqs, max_q, self.num_heads, self.head_dim)
-            if q.dtype != torch.float32 and q.device.type == "cpu":
-                # CPU's bf16 SDPA kernel is 1.5-4x slower than upcasting to fp32 for it.
-                queries, keys, values = queries.float(), keys.float(), values.float()
-            attended = F.scaled_dot_product_attention(
-                queries.transpose(1, 2),
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=group.mask,
-                enable_gqa=True,
-            ).transpose(1, 2)
-            attended = attended.reshape(-1, self.num_heads, self.head_dim).to(q.dtype)
-            if max_q == 1 and len(batch.groups) == 1:  # all decodes: rows already in order
-                return attended
-            out[group.token_index] = attended if max_q == 1 else attended[group.padded_index]
+            if all_decodes:  # rows already in order: no gather, no scatter
+                return self._attend_group(q, k_cache, v_cache, group)
+            attended = self._attend_group(q[group.token_index], k_cache, v_cache, group)
+            out[group.token_index] = attended
         return out
+
+    def _attend_group(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
+    ) -> torch.Tensor:
+        """Attention output [Tg, heads, head_dim] of the group's query rows `q`."""
+        num_seqs, _, max_q, max_kv = group.mask.shape
+        if max_q == 1 and group.head_rows is not None and _low_precision_cpu(q):
+            return self._attend_decodes(q, k_cache, v_cache, group)
+        # index_select over the flat slots is ~2x faster than k_cache[kv_slots].
+        slots = group.kv_slots.flatten()
+        shape = (num_seqs, max_kv, self.num_kv_heads, self.head_dim)
+        keys = k_cache.index_select(0, slots).view(shape)  # [B, Lk, kv_heads, head_dim]
+        values = v_cache.index_select(0, slots).view(shape)
+        if max_q == 1:  # decodes: one query per sequence, no padding
+            queries = q.unsqueeze(1)
+        else:
+            queries = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
+            queries[group.padded_index] = q
+            queries = queries.view(num_seqs, max_q, self.num_heads, self.head_dim)
+        if _low_precision_cpu(q):
+            # CPU's bf16 SDPA kernel is 1.5-4x slower than upcasting to fp32 for it.
+            queries, keys, values = queries.float(), keys.float(), values.float()
+        attended = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=group.mask,
+            enable_gqa=True,
+        ).transpose(1, 2)
+        attended = attended.reshape(-1, self.num_heads, self.head_dim).to(q.dtype)
+        return attended if max_q == 1 else attended[group.padded_index]
+
+    def _attend_decodes(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
+    ) -> torch.Tensor:
+        """One query per sequence, in bf16/fp16 on CPU: two batched matmuls over K/V
+        gathered head-major, so that each (kv head, sequence) pair is already a contiguous
+        [Lk, head_dim] matrix; scores and softmax in fp32. Per layer at 64 sequences of
+        ~190 tokens: 0.8 ms vs 1.8 ms for gather + fp32 upcast + SDPA (the copies were most
+        of it). fp32 keeps SDPA: it is the exact reference."""
+        assert group.head_rows is not None and group.score_bias is not None
+        num_seqs, group_size = q.shape[0], self.num_heads // self.num_kv_heads
+        shape = (self.num_kv_heads, num_seqs, -1, self.head_dim)
+        keys = k_cache.view(-1, self.head_dim).index_select(0, group.head_rows).view(shape)
+        values = v_cache.view(-1, self.head_dim).index_select(0, group.head_rows).view(shape)
+        # Query head h reads kv head h // group_size (as SDPA's enable_gqa).
+        queries = q.view(num_seqs, self.num_kv_heads, group_size, self.head_dim).transpose(0, 1)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [kvh, B, G, Lk]
+        scores = scores.mul_(self.head_dim**-0.5).add_(group.score_bias)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).transpose(0, 1).reshape(q.shape)
+
+
+def _low_precision_cpu(x: torch.Tensor) -> bool:
+    return x.dtype != torch.float32 and x.device.type == "cpu"
 
 
 class MLP(nn.Module):

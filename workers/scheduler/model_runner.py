@@ -303,7 +303,7 @@ class TorchModelRunner:
         key_pos = torch.arange(max_kv, device=device)
         mask = (key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(-1, 1, 1))
         is_query = torch.arange(max_q, device=device) < q_len.unsqueeze(1)
-        return AttentionGroup(
+        group = AttentionGroup(
             token_index=(first_row[index].unsqueeze(1) + torch.arange(max_q, device=device))[
                 is_query
             ],
@@ -311,3 +311,10 @@ class TorchModelRunner:
             kv_slots=kv_slots,
             mask=mask.unsqueeze(1),
         )
+        if max_q == 1:  # decodes: what Attention._attend_decodes reads
+            kv_heads = self.model.args.num_kv_heads
+            heads = torch.arange(kv_heads, device=device).view(-1, 1)
+            group.head_rows = (kv_slots.flatten() * kv_heads + heads).flatten()
+            bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+            group.score_bias = bias.view(1, len(index), 1, max_kv)
+        return group
