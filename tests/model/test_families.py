@@ -12,7 +12,7 @@ import torch
 
 from shared.protocol import SamplingParams
 from workers.scheduler.llama import ModelArgs
-from workers.scheduler.model_runner import TorchModelRunner
+from workers.scheduler.model_runner import DECODE_MATMUL_MIN_SEQS, TorchModelRunner
 from workers.scheduler.quantization import CompactLinear, fits
 from workers.scheduler.sequence import Sequence
 
@@ -125,18 +125,20 @@ def test_int4_runs_every_family_close_to_fp32(family: Any) -> None:
 def test_bf16_decode_attention_follows_sdpa(family: Any) -> None:
     """The bf16 CPU decode path (two matmuls over K/V gathered head-major) against SDPA in
     fp32 on the same cache and inputs: grouped-query heads, and sequences of unequal
-    lengths (18 tokens over two blocks, 3 tokens padded to 18)."""
+    lengths (up to 18 tokens over two blocks, the shorter ones padded)."""
     _, folder = family
     runner = TorchModelRunner.load(
-        str(folder), num_kv_blocks=16, block_size=BLOCK_SIZE, dtype="bfloat16"
+        str(folder), num_kv_blocks=32, block_size=BLOCK_SIZE, dtype="bfloat16"
     )
-    seqs = _seqs([list(range(3, 21)), [2, 4, 6]])
+    lengths = [18, 3, 5, 1, 9, 16, 17, 2][:DECODE_MATMUL_MIN_SEQS]
+    seqs = _seqs([list(range(3, 3 + n)) for n in lengths])
     with torch.inference_mode():
         step(runner, seqs)
         for seq in seqs:
             seq.append_token(9)
             seq.num_new_tokens = 1
-        input_ids = torch.tensor([9, 9])
+        assert runner._prepare(seqs[1:]).groups[0].head_rows is None  # too few: SDPA
+        input_ids = torch.full((len(seqs),), 9)
         batch = runner._prepare(seqs)
         (group,) = batch.groups
         assert group.head_rows is not None

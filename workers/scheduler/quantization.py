@@ -6,8 +6,8 @@ their size sets its time. Measured on 2 AVX2 cores (torch 2.13, the model's 120 
 (`_weight_int4pack_mm_for_cpu`, bf16 activations) 9 ms; from 32 tokens on the packed kernel
 is compute-bound and no faster than fp32 (32 tokens: 143-147 vs 119-137 ms). So each
 `CompactLinear` keeps the dense weight and a compact copy, and takes the compact one only
-for steps of at most `COMPACT_MAX_TOKENS` tokens: decodes of small batches; prefills and
-large batches stay dense.
+for steps of at most `COMPACT_MAX_TOKENS` tokens (16 for the projections, 8 for the head):
+decodes of small batches; prefills and large batches stay dense.
 
 Decoder projections: int4, asymmetric, groups of 32 along the input dim (scale and zero per
 group). SmolLM2's packaged weights come from a Q4_1 GGUF (the same layout), so requantizing
@@ -32,7 +32,11 @@ from shared.config import SchedulerSettings
 from workers.scheduler.llama import LlamaForCausalLM
 
 QUANTIZATIONS = get_args(SchedulerSettings.model_fields["quantization"].annotation)
-COMPACT_MAX_TOKENS = 16  # crossover: at 16 tokens int4 45-78 ms vs fp32 53-88 ms (4 runs)
+# The most tokens a step may carry and still take the compact weights, by bits. int4
+# projections: at 16 tokens int4 45-78 ms vs fp32 53-88 ms (4 runs, AVX2), 11.9 vs bf16 13.7
+# ms (AVX512-BF16). The int8 LM head (49152 x 576): at 8 rows 1.9 vs bf16 2.4 ms, at 12 rows
+# 3.5 vs 3.0 ms (AVX512-BF16).
+COMPACT_MAX_TOKENS = {4: 16, 8: 8}
 INT4_GROUP_SIZE = 32
 
 
@@ -44,6 +48,7 @@ class CompactLinear(nn.Module):
         super().__init__()
         self.dense = dense
         self.bits = bits
+        self.max_tokens = COMPACT_MAX_TOKENS[bits]
         weight = dense.weight.detach().float()
         packed, scales = (
             int4_groups(weight, INT4_GROUP_SIZE) if bits == 4 else int8_channels(weight)
@@ -52,7 +57,7 @@ class CompactLinear(nn.Module):
         self.register_buffer("scales", scales, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > COMPACT_MAX_TOKENS:
+        if x.shape[0] > self.max_tokens:
             return self.dense(x)
         # The packed kernels are vectorized for bf16 activations (fp32 ones are ~10x slower).
         low = x.to(torch.bfloat16)
