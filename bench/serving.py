@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -89,7 +90,7 @@ async def one_request(
 
 async def run_level(
     url: str, model: str, prompts: list[list[int]], concurrency: int, output_len: int
-) -> dict[str, float]:
+) -> dict[str, Any]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
@@ -104,7 +105,7 @@ async def run_level(
     return summarize(results, wall, concurrency)
 
 
-def _pct(values: list[float], q: float) -> float:
+def _pct(values: list[float], q: int) -> float:
     if not values:
         return float("nan")
     return (
@@ -114,7 +115,7 @@ def _pct(values: list[float], q: float) -> float:
     )
 
 
-def summarize(results: list[Result], wall: float, concurrency: int) -> dict[str, float]:
+def summarize(results: list[Result], wall: float, concurrency: int) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     itls = [x for r in ok for x in r.itls]
     out_tokens = sum(r.output_tokens or len(r.itls) + 1 for r in ok)
@@ -131,10 +132,11 @@ def summarize(results: list[Result], wall: float, concurrency: int) -> dict[str,
         "itl_p99": _pct(itls, 99),
         "e2e_p50": _pct([r.e2e for r in ok], 50),
         "e2e_p99": _pct([r.e2e for r in ok], 99),
+        "errors": sorted({r.error for r in results if not r.ok}),
     }
 
 
-def print_table(rows: list[dict[str, float]]) -> None:
+def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
         "| conc | reqs | fail | out tok/s | req/s | TTFT p50 | TTFT p99 "
         "| ITL p50 | ITL p99 | E2E p50 | E2E p99 |"
@@ -148,10 +150,13 @@ def print_table(rows: list[dict[str, float]]) -> None:
             f"| {r['itl_p99'] * 1000:.1f} ms "
             f"| {r['e2e_p50']:.2f} s | {r['e2e_p99']:.2f} s |"
         )
+    for r in rows:
+        if r["errors"]:
+            lines.append(f"\nfailures at concurrency {r['concurrency']}: {'; '.join(r['errors'])}")
     sys.stdout.write("\n".join(lines) + "\n")
 
 
-async def main_async(args: argparse.Namespace) -> list[dict[str, float]]:
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(base_url=args.url, timeout=30) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
     if args.warmup:  # first-call costs (and a scheduler still loading) stay out of the rows
