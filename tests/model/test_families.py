@@ -137,13 +137,13 @@ def test_bf16_decode_attention_follows_sdpa(family: Any) -> None:
         for seq in seqs:
             seq.append_token(9)
             seq.num_new_tokens = 1
-        assert runner._prepare(seqs[1:]).groups[0].head_rows is None  # too few: SDPA
+        assert runner._prepare(seqs[1:]).groups[0].score_bias is None  # too few: SDPA
         input_ids = torch.full((len(seqs),), 9)
         batch = runner._prepare(seqs)
         (group,) = batch.groups
-        assert group.head_rows is not None
+        assert group.score_bias is not None
         fast = runner.model(input_ids, batch, runner.kv_cache).float()
-        group.head_rows = None  # the general path: gather, upcast, SDPA
+        group.score_bias = None  # the general path: upcast, SDPA
         reference = runner.model(input_ids, batch, runner.kv_cache).float()
     assert not torch.equal(fast, reference)
     error = (fast - reference).abs().max() / reference.abs().max()

@@ -146,8 +146,9 @@ def num_kv_blocks_for(
 
 class TorchModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int) -> None:
-        """Allocates the KV cache: [layers, 2 (K, V), num_kv_blocks * block_size slots,
-        kv_heads, head_dim], zeroed so that padding slots never carry NaNs."""
+        """Allocates the KV cache: [layers, 2 (K, V), kv_heads, num_kv_blocks * block_size
+        slots, head_dim] (head-major, so a block of one head is one contiguous row to
+        gather), zeroed so that padding slots never carry NaNs."""
         self.model = model
         self.block_size = block_size
         # Masked until min_new_tokens (the scheduler's finish check has the same ids).
@@ -158,8 +159,8 @@ class TorchModelRunner:
         self.kv_cache = torch.zeros(
             args.num_layers,
             2,
-            num_kv_blocks * block_size,
             args.num_kv_heads,
+            num_kv_blocks * block_size,
             args.head_dim,
             dtype=weight.dtype,
             device=weight.device,
@@ -283,6 +284,7 @@ class TorchModelRunner:
             slot_mapping=slot_mapping,
             groups=groups,
             last_index=first_row + q_lens - 1,
+            block_size=bs,
         )
 
     def _group(
@@ -294,18 +296,18 @@ class TorchModelRunner:
         first_row: torch.Tensor,
     ) -> AttentionGroup:
         """The sequences `index` attended together: queries padded to [B, Lq], contexts
-        gathered as [B, Lk] cache slots."""
+        gathered as whole blocks, [B, Lk] with Lk a multiple of the block size."""
         device, bs = self.device, self.block_size
         start, q_len = starts[index], q_lens[index]
         kv_len = start + q_len
-        max_q, max_kv = int(q_len.max()), int(kv_len.max())
-        offsets = torch.arange(bs, device=device)
-        blocks = tables[index, : -(-max_kv // bs)]
-        kv_slots = (blocks.unsqueeze(-1) * bs + offsets).flatten(1)[:, :max_kv]
+        max_q = int(q_len.max())
+        blocks = tables[index, : -(-int(kv_len.max()) // bs)]
+        kv_heads = self.model.args.num_kv_heads
+        heads = torch.arange(kv_heads, device=device).view(-1, 1) * self.num_kv_blocks
         # Row j of sequence b is position start_b + j; padding rows still see key 0, so no
         # softmax row is empty (NaN).
         q_pos = start.unsqueeze(1) + torch.arange(max_q, device=device)
-        key_pos = torch.arange(max_kv, device=device)
+        key_pos = torch.arange(blocks.shape[1] * bs, device=device)
         mask = (key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(-1, 1, 1))
         is_query = torch.arange(max_q, device=device) < q_len.unsqueeze(1)
         group = AttentionGroup(
@@ -313,13 +315,10 @@ class TorchModelRunner:
                 is_query
             ],
             padded_index=is_query.flatten().nonzero().squeeze(1),
-            kv_slots=kv_slots,
+            kv_rows=(blocks.flatten() + heads).flatten(),
             mask=mask.unsqueeze(1),
         )
         if max_q == 1 and len(index) >= DECODE_MATMUL_MIN_SEQS:  # Attention._attend_decodes
-            kv_heads = self.model.args.num_kv_heads
-            heads = torch.arange(kv_heads, device=device).view(-1, 1)
-            group.head_rows = (kv_slots.flatten() * kv_heads + heads).flatten()
             bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-            group.score_bias = bias.view(1, len(index), 1, max_kv)
+            group.score_bias = bias.view(1, len(index), 1, -1)
         return group
