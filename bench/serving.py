@@ -92,7 +92,10 @@ async def run_level(
     url: str, model: str, prompts: list[list[int]], concurrency: int, output_len: int
 ) -> dict[str, Any]:
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # A fresh connection per request, as independent clients: llama-server closes idle
+    # keep-alive connections, and a request sent on one as it closes fails with "Server
+    # disconnected without sending a response" (1-4 per level in a sitting).
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
 
         async def guarded(p: list[int]) -> Result:
