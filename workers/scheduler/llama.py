@@ -221,7 +221,7 @@ class Attention(nn.Module):
                 .view(self.num_kv_heads, group.mask.shape[0], -1, self.head_dim)
                 for cache in (k_cache, v_cache)
             )  # [kv_heads, B, Lk, head_dim]
-            if all_decodes:  # rows already in order: no gather, no scatter
+            if all_decodes:  # query rows already in order: no selection, no scatter
                 return self._attend_group(q, keys, values, group)
             out[group.token_index] = self._attend_group(q[group.token_index], keys, values, group)
         return out
