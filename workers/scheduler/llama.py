@@ -152,19 +152,21 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(args: ModelArgs, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position, [max_positions, head_dim] (HF's rotate-half layout)."""
+    """cos and sin of every position, [max_positions, head_dim] (HF's rotate-half layout),
+    sin with its first half negated (see `apply_rope`)."""
     dim = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     positions = torch.arange(args.max_position_embeddings, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    # rotate_half(x) = [-x2, x1] = roll(x, half) * [-1.., +1..]: the sign goes into sin.
+    sign = torch.ones(dim).index_fill_(0, torch.arange(dim // 2), -1.0)
+    return emb.cos().to(dtype), (emb.sin() * sign).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin, bit for bit, in 4 ops instead of 7."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class Attention(nn.Module):

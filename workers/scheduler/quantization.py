@@ -60,7 +60,7 @@ class CompactLinear(nn.Module):
         if x.shape[0] > self.max_tokens:
             return self.dense(x)
         # The packed kernels are vectorized for bf16 activations (fp32 ones are ~10x slower).
-        low = x.to(torch.bfloat16)
+        low = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.bits == 4:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 low, self.packed, INT4_GROUP_SIZE, self.scales
