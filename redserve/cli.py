@@ -9,9 +9,9 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, get_args
+from typing import Any
 
-from shared.config import SchedulerSettings, Settings
+from shared.config import QUANTIZATIONS, Settings
 from shared.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dtype": ("scheduler.dtype", str, "auto, float32, bfloat16 or float16"),
     "--quantization": (
         "scheduler.quantization",
-        get_args(SchedulerSettings.model_fields["quantization"].annotation),
+        QUANTIZATIONS,
         "int4: small CPU steps read int4 weights (default none)",
     ),
     "--kv-memory-fraction": (

@@ -11,7 +11,7 @@ import os
 import socket
 import uuid
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -47,6 +47,10 @@ class ApiSettings(BaseModel):
     tokenizer_batch_timeout_s: float = 0.002
 
 
+Quantization = Literal["none", "int4"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+
+
 class SchedulerSettings(BaseModel):
     worker_id: str = Field(default_factory=_default_instance_id)
     device: str = "cpu"
@@ -54,10 +58,10 @@ class SchedulerSettings(BaseModel):
     # reference, matching HF fp32 greedy outputs token for token).
     dtype: str = "auto"
     # "int4": CPU steps of at most 16 tokens (small-batch decodes) use int4 copies of the
-    # decoder's projections and an int8 LM head; larger steps the dense weights. Single-stream
-    # decode 1.4-1.6x faster on 2 AVX2 cores (bench/README.md); its accuracy and why it is opt-in:
-    # workers/scheduler/quantization.py.
-    quantization: Literal["none", "int4"] = "none"
+    # decoder's projections (and, up to 8 rows, an int8 LM head); larger steps the dense
+    # weights. Single-stream decode 1.4-2x faster (bench/README.md); its accuracy and why it
+    # is opt-in: workers/scheduler/quantization.py.
+    quantization: Quantization = "none"
     block_size: int = 16
     # The KV cache takes kv_memory_fraction of the memory available once the weights are
     # loaded (CPU: RAM within the cgroup limit; CUDA: free GPU memory), capped at

@@ -23,15 +23,12 @@ fp32 without it stays the exact, batch-invariant reference.
 
 from __future__ import annotations
 
-from typing import get_args
-
 import torch
 from torch import nn
 
-from shared.config import SchedulerSettings
+from shared.config import QUANTIZATIONS
 from workers.scheduler.llama import LlamaForCausalLM
 
-QUANTIZATIONS = get_args(SchedulerSettings.model_fields["quantization"].annotation)
 # The most tokens a step may carry and still take the compact weights, by bits. int4
 # projections: at 16 tokens int4 45-78 ms vs fp32 53-88 ms (4 runs, AVX2), 11.9 vs bf16 13.7
 # ms (AVX512-BF16). The int8 LM head (49152 x 576): at 8 rows 1.9 vs bf16 2.4 ms, at 12 rows
@@ -60,7 +57,7 @@ class CompactLinear(nn.Module):
         if x.shape[0] > self.max_tokens:
             return self.dense(x)
         # The packed kernels are vectorized for bf16 activations (fp32 ones are ~10x slower).
-        low = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        low = x.to(torch.bfloat16)
         if self.bits == 4:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 low, self.packed, INT4_GROUP_SIZE, self.scales
