@@ -233,7 +233,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention output [Tg, heads, head_dim] of the group's query rows `q`."""
         num_seqs, _, max_q, _ = group.mask.shape
-        if group.score_bias is not None and _low_precision_cpu(q):
+        if group.score_bias is not None:
             return self._attend_decodes(q, keys, values, group.score_bias)
         if max_q == 1:  # decodes: one query per sequence, no padding
             queries = q.unsqueeze(1)
@@ -254,11 +254,11 @@ class Attention(nn.Module):
     def _attend_decodes(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, score_bias: torch.Tensor
     ) -> torch.Tensor:
-        """One query per sequence, in bf16/fp16 on CPU: two batched matmuls over the
-        [kv_heads, B, Lk, head_dim] context, each (kv head, sequence) a contiguous matrix;
-        scores and softmax in fp32. Per layer at 64 sequences of ~190 tokens: 0.8 ms vs
-        1.8 ms for upcasting K/V to fp32 for SDPA (the copies were most of it). fp32 keeps
-        SDPA: it is the exact reference."""
+        """One query per sequence (bf16/fp16 on CPU, as the model runner decides): two
+        batched matmuls over the [kv_heads, B, Lk, head_dim] context, each (kv head,
+        sequence) a contiguous matrix; scores and softmax in fp32. Per layer at 64 sequences
+        of ~190 tokens: 0.8 ms vs 1.8 ms for upcasting K/V to fp32 for SDPA (the copies
+        were most of it)."""
         num_seqs, group_size = q.shape[0], self.num_heads // self.num_kv_heads
         # Query head h reads kv head h // group_size (as SDPA's enable_gqa).
         queries = q.view(num_seqs, self.num_kv_heads, group_size, self.head_dim).transpose(0, 1)

@@ -90,8 +90,8 @@ def available_memory(device: torch.device) -> int:
     return max(0, available)
 
 
-# Decode groups of at least this many sequences take `Attention._attend_decodes` (bf16 on
-# CPU); per layer, 160-token contexts: 1 seq 61 vs 45 us for SDPA, 4 seqs 95 vs 89 us,
+# Decode groups of at least this many sequences take `Attention._attend_decodes` (where
+# `matmul_decodes`); per layer, 160-token contexts: 1 seq 61 vs 45 us for SDPA, 4 seqs 95 vs 89 us,
 # 16 seqs 178 vs 298 us, 64 seqs 0.9 vs 1.9 ms.
 DECODE_MATMUL_MIN_SEQS = 8
 
@@ -156,6 +156,9 @@ class TorchModelRunner:
         self.num_kv_blocks = num_kv_blocks
         args, weight = model.args, model.embed_tokens.weight
         self.device = weight.device
+        # bf16/fp16 decodes on CPU take Attention._attend_decodes; fp32 keeps SDPA (the
+        # exact reference), and so does CUDA.
+        self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
         self.kv_cache = torch.zeros(
             args.num_layers,
             2,
@@ -318,7 +321,7 @@ class TorchModelRunner:
             kv_rows=(blocks.flatten() + heads).flatten(),
             mask=mask.unsqueeze(1),
         )
-        if max_q == 1 and len(index) >= DECODE_MATMUL_MIN_SEQS:  # Attention._attend_decodes
+        if max_q == 1 and self.matmul_decodes and len(index) >= DECODE_MATMUL_MIN_SEQS:
             bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
             group.score_bias = bias.view(1, len(index), 1, -1)
         return group
