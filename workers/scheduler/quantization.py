@@ -6,8 +6,9 @@ their size sets its time. Measured on 2 AVX2 cores (torch 2.13, the model's 120 
 (`_weight_int4pack_mm_for_cpu`, bf16 activations) 9 ms; from 32 tokens on the packed kernel
 is compute-bound and no faster than fp32 (32 tokens: 143-147 vs 119-137 ms). So each
 `CompactLinear` keeps the dense weight and a compact copy, and takes the compact one only
-for steps of at most `COMPACT_MAX_TOKENS` tokens (16 for the projections, 8 for the head):
-decodes of small batches; prefills and large batches stay dense.
+for steps of at most `COMPACT_MAX_TOKENS` tokens (16 for the projections; for the head 16
+over fp32 weights, 8 over bf16 ones): decodes of small batches; prefills and large batches
+stay dense.
 
 Decoder projections: int4, asymmetric, groups of 32 along the input dim (scale and zero per
 group). SmolLM2's packaged weights come from a Q4_1 GGUF (the same layout), so requantizing
@@ -29,11 +30,13 @@ from torch import nn
 from shared.config import QUANTIZATIONS
 from workers.scheduler.llama import LlamaForCausalLM
 
-# The most tokens a step may carry and still take the compact weights, by bits. int4
-# projections: at 16 tokens int4 45-78 ms vs fp32 53-88 ms (4 runs, AVX2), 11.9 vs bf16 13.7
-# ms (AVX512-BF16). The int8 LM head (49152 x 576): at 8 rows 1.9 vs bf16 2.4 ms, at 12 rows
-# 3.5 vs 3.0 ms (AVX512-BF16).
-COMPACT_MAX_TOKENS = {4: 16, 8: 8}
+# The most tokens a step may carry and still take the compact weights, by (bits, bytes per
+# dense weight): the compact kernels win while a step is bound by reading the weights, which
+# lasts longer against fp32 weights than against bf16 ones. int4 projections at 16 tokens:
+# 45-78 ms vs fp32 53-88 ms (AVX2), 11.9 vs bf16 13.7 ms (AVX512-BF16). The int8 LM head
+# (49152 x 576) against bf16: at 8 rows 1.9 vs 2.4 ms, at 12 rows 3.5 vs 3.0 ms (AVX512-BF16);
+# against fp32: at 16 rows 22.5 vs 36.4 ms, at 32 rows 40.9 vs 40.8 ms (AVX2).
+COMPACT_MAX_TOKENS = {(4, 4): 16, (4, 2): 16, (8, 4): 16, (8, 2): 8}
 INT4_GROUP_SIZE = 32
 
 
@@ -45,7 +48,7 @@ class CompactLinear(nn.Module):
         super().__init__()
         self.dense = dense
         self.bits = bits
-        self.max_tokens = COMPACT_MAX_TOKENS[bits]
+        self.max_tokens = COMPACT_MAX_TOKENS[bits, dense.weight.element_size()]
         weight = dense.weight.detach().float()
         packed, scales = (
             int4_groups(weight, INT4_GROUP_SIZE) if bits == 4 else int8_channels(weight)
