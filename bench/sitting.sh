@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One sitting: llama.cpp's llama-server, then `redserve up` (default settings), then
-# `redserve up --quantization int4`, each alone on the machine, through bench/serving.py at
-# concurrency 1, 4, 16 and 64 (128 prompt tokens, 128 output tokens, greedy, streaming).
+# `redserve up --quantization int4` and `--quantization w8a8_int8` (or $QUANTIZATIONS), each
+# alone on the machine, through bench/serving.py at concurrency 1, 4, 16 and 64 (128 prompt
+# tokens, 128 output tokens, greedy, streaming).
 #
 #   LLAMA_SERVER=/tmp/peers/.../build/bin/llama-server bash bench/sitting.sh
 #
@@ -34,7 +35,7 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
     wait_ready http://127.0.0.1:8080 && measure llama-server http://127.0.0.1:8080
     stop $pid
 fi
-for quantization in none int4; do
+for quantization in ${QUANTIZATIONS:-none int4 w8a8_int8}; do
     .venv/bin/redserve up --port 30000 --quantization "$quantization" \
         >"$OUT/redserve-$quantization.log" 2>&1 &
     pid=$!

@@ -12,11 +12,14 @@ import ctypes
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import torch
+from torch import nn
 
+from shared.protocol import SamplingParams
 from workers.scheduler.llama import (
     AttentionBatch,
     AttentionGroup,
@@ -31,7 +34,7 @@ from workers.scheduler.outputs import (
     step_spans,
     wants_prompt_outputs,
 )
-from workers.scheduler.quantization import quantize_model
+from workers.scheduler.quantization import calibration_ids, quantize_model
 from workers.scheduler.sampler import process_logits, sample
 from workers.scheduler.sequence import Sequence
 
@@ -192,7 +195,10 @@ class TorchModelRunner:
         started = time.monotonic()
         dtype = resolve_dtype(dtype, device)
         model = load_model(model_path, DTYPES[dtype], device)
-        if quantize_model(model, quantization):
+        input_max = None
+        if quantization == "w8a8_int8":
+            input_max = projection_input_max(model, calibration_ids(model_path), block_size)
+        if quantize_model(model, quantization, input_max):
             logger.info("compact %s copies of the projections for small steps", quantization)
         logger.info("loaded weights from %s in %.1fs", model_path, time.monotonic() - started)
         weight = model.embed_tokens.weight
@@ -325,3 +331,33 @@ class TorchModelRunner:
             bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
             group.score_bias = bias.view(1, len(index), 1, -1)
         return group
+
+
+def projection_input_max(
+    model: LlamaForCausalLM, token_ids: list[int], block_size: int
+) -> dict[str, torch.Tensor]:
+    """Per input channel, the largest |value| each decoder projection (by module name) takes
+    in one prefill of `token_ids`: the calibration run of `--quantization w8a8_int8`."""
+    runner = TorchModelRunner(model, -(-len(token_ids) // block_size), block_size)
+    seq = Sequence("calibration", token_ids, SamplingParams(max_new_tokens=1))
+    seq.block_table = list(range(runner.num_kv_blocks))
+    seq.num_new_tokens = len(token_ids)
+    input_max: dict[str, torch.Tensor] = {}
+
+    def recorder(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            input_max[name] = args[0].detach().abs().amax(0).float()
+
+        return record
+
+    handles = [
+        module.register_forward_pre_hook(recorder(name))
+        for name, module in model.named_modules()
+        if name.startswith("layers.") and isinstance(module, nn.Linear)
+    ]
+    try:
+        runner.forward([seq])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return input_max

@@ -1,4 +1,5 @@
-"""Weight-only quantized projections for small CPU steps (`--quantization int4`).
+"""Quantized projections for small and middle-sized CPU steps (`--quantization int4`,
+`--quantization w8a8_int8`).
 
 A decode step of a few sequences is memory-bound: every step reads all the weights once, so
 their size sets its time. Measured on 2 AVX2 cores (torch 2.13, the model's 120 projections,
@@ -17,12 +18,21 @@ them is close to lossless. The LM head: int8 per output channel (an int4 head co
 reference: tests/model/test_quantization.py. CPU only: the CUDA int4 kernel wants
 another packing.
 
+`w8a8_int8` adds a middle tier (`DynamicInt8Linear`): steps of 9-64 tokens are compute-bound
+on the packed int4 kernel and on fp32, but fbgemm's int8 x int8 kernel runs them 2-3x faster
+(bench/kernels.py). Its activations are quantized at run time, which this model's outlier
+channels make lossy; a calibration prefill at load (`CALIBRATION_TEXT`) finds them. Measured
+in an engine decode step on 2 AVX2 cores (interleaved A/B in one process): 16 sequences
+111 ms vs int4 124 ms vs fp32 158 ms; 64 sequences 346 vs fp32 386 ms.
+
 Whether a step is compact depends on how many tokens it carries, so with quantization on,
 a request's tokens can differ (rarely) with the batch it shares: quantization is opt-in and
 fp32 without it stays the exact, batch-invariant reference.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -71,17 +81,24 @@ class CompactLinear(nn.Module):
         return out if self.dense.bias is None else out + self.dense.bias
 
 
-def quantize_model(model: LlamaForCausalLM, method: str) -> int:
-    """Wraps the decoder's projections (int4) and the LM head (int8) in `CompactLinear`;
-    the number wrapped. Shapes the packed kernels cannot take stay dense (see `fits`)."""
+def quantize_model(
+    model: LlamaForCausalLM, method: str, input_max: dict[str, torch.Tensor] | None = None
+) -> int:
+    """Wraps the decoder's projections (int4) and the LM head (int8) in `CompactLinear`,
+    and for "w8a8_int8" the projections whose inputs come from a norm or attention (qkv,
+    o, gate_up) again in `DynamicInt8Linear`, which needs `input_max` (`projection_inputs`
+    of a calibration run, by module name); the number of projections given compact copies.
+    Shapes the packed kernels cannot take stay dense (see `fits`)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r} ({', '.join(QUANTIZATIONS)})")
     if method == "none":
         return 0
     if next(model.parameters()).device.type != "cpu":
-        raise ValueError("--quantization int4 runs on CPU only (its packed kernels are CPU's)")
+        raise ValueError(f"--quantization {method} runs on CPU only (its kernels are CPU's)")
+    if method == "w8a8_int8" and input_max is None:
+        raise ValueError("w8a8_int8 needs the projections' calibrated input ranges")
     wrapped = 0
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         for parent, name in (
             (layer.self_attn, "qkv_proj"),
             (layer.self_attn, "o_proj"),
@@ -89,9 +106,15 @@ def quantize_model(model: LlamaForCausalLM, method: str) -> int:
             (layer.mlp, "down_proj"),
         ):
             dense = getattr(parent, name)
-            if fits(dense, bits=4):
-                setattr(parent, name, CompactLinear(dense, bits=4))
-                wrapped += 1
+            if not fits(dense, bits=4):
+                continue
+            compact: nn.Module = CompactLinear(dense, bits=4)
+            if input_max is not None and name in DYNAMIC_INT8_PROJECTIONS:
+                parent_name = "self_attn" if parent is layer.self_attn else "mlp"
+                key = f"layers.{i}.{parent_name}.{name}"
+                compact = DynamicInt8Linear(compact, dense, input_max[key])
+            setattr(parent, name, compact)
+            wrapped += 1
     assert isinstance(model.lm_head, nn.Linear)
     if fits(model.lm_head, bits=8):
         model.lm_head = CompactLinear(model.lm_head, bits=8)
@@ -130,3 +153,89 @@ def int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-10)
     q = torch.round(weight / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
     return q, scale.to(torch.bfloat16)
+
+
+# w8a8_int8's calibration text: prose, code, numbers and another language, unrelated to the
+# prompts of the accuracy test (tests/model/teacher_forcing.py).
+CALIBRATION_TEXT = (
+    "A lighthouse keeper kept a diary for forty years. Each morning he wrote down the wind, "
+    "the colour of the sea and the ships that passed; in winter there were few.\n\n"
+    "def mean(values):\n    if not values:\n        raise ValueError('empty')\n"
+    "    return sum(values) / len(values)\n\n"
+    "Q: A train leaves at 09:45 and arrives at 13:10. How long is the trip? "
+    "A: 3 hours and 25 minutes.\n"
+    "| city | population |\n|---|---|\n| Lyon | 522,250 | \n| Porto | 231,800 |\n"
+    "Le chat dort sur le canapé pendant que la pluie tombe. ¿Dónde está la estación?\n"
+    "User: Summarise the plot of a famous novel in two sentences.\nAssistant: Sure."
+)
+
+
+def calibration_ids(model_path: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(model_path)(CALIBRATION_TEXT)["input_ids"])
+
+
+# w8a8_int8: which projections take int8 activations. down_proj's input (silu(gate) * up)
+# has the widest outliers: W8A8 there alone cost 22 of 160 top-1 agreements with fp32 (the
+# other three together: 2-3); it stays int4/dense.
+DYNAMIC_INT8_PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj"})
+# Steps of these many tokens take the W8A8 kernel; fewer take int4 (faster there), more the
+# dense weights. 120 projections at 8 / 16 / 64 tokens, ms (bench/kernels.py): AVX2 fbgemm
+# 12.9 / 26.7 / 114 vs int4 39.2 / 72.5 / 298 vs fp32 62.7 / 64.7 / 146; AVX512-BF16 at
+# 16 / 64: 6.1 / 14.2 vs int4 11.9 / 43.0 vs bf16 13.7 / 26.2.
+DYNAMIC_INT8_TOKENS = range(9, 65)
+# Input channels whose calibrated range is widest stay out of the int8 product (computed
+# in the model's dtype), and SmoothQuant moves part of the rest of the activations' range
+# into the weights (s = input_max**ALPHA / weight_max**(1 - ALPHA) per input channel).
+OUTLIER_CHANNELS = 16
+SMOOTHING_ALPHA = 0.7
+
+
+class DynamicInt8Linear(nn.Module):
+    """int8 weights (per output channel) x int8 activations quantized at run time (7 bits,
+    per token: fbgemm's `linear_dynamic` on rows scaled to [-1, 1]) for steps of
+    `DYNAMIC_INT8_TOKENS` tokens; other steps go to `inner` (int4 for small ones, dense for
+    large). Per-tensor int8 activations alone cost 41 of 160 top-1 agreements on SmolLM2: a
+    few input channels carry values 10-100x the others. So the `OUTLIER_CHANNELS` widest
+    (from a calibration run) are multiplied apart in full precision, and the rest are
+    smoothed (divided by s, the weights' columns multiplied by it) before quantizing."""
+
+    inverse_smooth: torch.Tensor  # 1 / s per input channel, 0 for the outlier channels
+    outliers: torch.Tensor
+    outlier_weight: torch.Tensor  # [outliers, out_features]
+
+    def __init__(self, inner: nn.Module, dense: nn.Linear, input_max: torch.Tensor) -> None:
+        super().__init__()
+        self.inner = inner
+        self.tokens = DYNAMIC_INT8_TOKENS
+        weight = dense.weight.detach().float()
+        smooth = (
+            input_max.float().clamp(min=1e-5) ** SMOOTHING_ALPHA
+            / weight.abs().amax(0).clamp(min=1e-5) ** (1 - SMOOTHING_ALPHA)
+        ).clamp(min=1e-5)
+        outliers = torch.topk(input_max.float(), OUTLIER_CHANNELS).indices.sort().values
+        inverse = 1 / smooth
+        inverse[outliers] = 0  # outlier channels take no part in the int8 product
+        smoothed = weight * smooth * (inverse > 0)
+        scale = (smoothed.abs().amax(1) / 127).clamp(min=1e-10).double()
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated in torch 2.13
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(smoothed, scale, zero_points, 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(q, None)
+        dtype = dense.weight.dtype
+        self.register_buffer("inverse_smooth", inverse, persistent=False)
+        self.register_buffer("outliers", outliers, persistent=False)
+        self.register_buffer("outlier_weight", weight[:, outliers].t().to(dtype), persistent=False)
+        self.bias = dense.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] not in self.tokens:
+            return self.inner(x)
+        rows = x.float() * self.inverse_smooth
+        row_max = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True)
+        row_max = row_max.clamp_(min=1e-6)
+        out = torch.ops.quantized.linear_dynamic(rows / row_max, self.packed, True).mul_(row_max)
+        out = torch.addmm(out.to(x.dtype), x.index_select(-1, self.outliers), self.outlier_weight)
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,94 @@
+"""Decode-step time of several `--quantization` modes, interleaved step by step in one process.
+
+    python bench/steps.py --batch 16 --modes none int4 w8a8_int8
+
+On a noisy VM two runs of the same engine can differ by 30%; alternating the modes' steps
+lets them share the same noise. Each mode gets its own runner and `--batch` prompts of
+--input-len tokens (as bench/engine.py), prefills them, takes --warmup decode steps, then
+--steps timed decode steps per mode, one mode after another. Prints step ms p50 and p10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.serving import make_prompts  # noqa: E402
+from shared.config import QUANTIZATIONS  # noqa: E402
+from shared.model_files import resolve_model  # noqa: E402
+from shared.protocol import SamplingParams  # noqa: E402
+from workers.scheduler.model_runner import TorchModelRunner  # noqa: E402
+from workers.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from workers.scheduler.sequence import Sequence  # noqa: E402
+
+
+def engine(
+    model_path: str, quantization: str, prompts: list[list[int]], steps: int, dtype: str
+) -> tuple[TorchModelRunner, Scheduler]:
+    batch, input_len = len(prompts), len(prompts[0])
+    blocks = batch * -(-(input_len + steps) // 16)
+    runner = TorchModelRunner.load(model_path, blocks, 16, dtype, quantization=quantization)
+    config = SchedulerConfig(
+        num_kv_blocks=runner.num_kv_blocks,
+        vocab_size=runner.vocab_size,
+        max_model_len=input_len + steps,
+        block_size=16,
+        max_num_seqs=batch,
+        max_num_batched_tokens=batch * input_len,
+        enable_prefix_caching=False,
+        eos_token_ids=frozenset(),
+    )
+    core = Scheduler(config, decode_tail=lambda ids: "")
+    params = SamplingParams(max_new_tokens=steps, temperature=0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        assert core.add(Sequence(f"r{i}", list(ids), params)) is None
+    return runner, core
+
+
+def step(runner: TorchModelRunner, core: Scheduler) -> float:
+    started = time.perf_counter()
+    seqs = core.schedule()
+    core.postprocess(seqs, runner.run(seqs))
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--modes", nargs="+", choices=QUANTIZATIONS, default=list(QUANTIZATIONS))
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    model_path = resolve_model("")
+    prompts = make_prompts(model_path, args.batch, args.input_len)
+    total = 1 + args.warmup + args.steps  # the prefill, then decodes
+    engines = [engine(model_path, m, prompts, total, args.dtype) for m in args.modes]
+    for runner, core in engines:
+        for _ in range(1 + args.warmup):
+            step(runner, core)
+    times: list[list[float]] = [[] for _ in engines]
+    for _ in range(args.steps):
+        for (runner, core), spent in zip(engines, times, strict=True):
+            spent.append(step(runner, core))
+    lines = [
+        f"`python bench/steps.py --batch {args.batch} --modes {' '.join(args.modes)}`",
+        "",
+        "| mode | batch | step ms p50 | step ms p10 | tok/s at p50 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for mode, spent in zip(args.modes, times, strict=True):
+        p50, p10 = statistics.median(spent), sorted(spent)[len(spent) // 10]
+        ms = f"{p50 * 1e3:.1f} | {p10 * 1e3:.1f}"
+        lines.append(f"| {mode} | {args.batch} | {ms} | {args.batch / p50:.1f} |")
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
