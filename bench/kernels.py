@@ -7,8 +7,9 @@ down 576x1536: 120 distinct weights, so they are cache-cold as in the model) for
 number of tokens per step, median of 5. Kernels: fp32 and bf16 `F.linear`; torch's
 weight-only packed int8 (per channel) and int4 (groups of 32) kernels with bf16
 activations (their fp32-activation paths are ~10x slower); fbgemm's dynamic int8
-(activations quantized per tensor: fast, but 119/160 top-1 agreement with fp32 on the
-real model, see bench/README.md, so redserve does not use it).
+(activations quantized per tensor: fast, but alone 119/160 top-1 agreement with fp32 on the
+real model; `--quantization w8a8_int8` runs it on rows scaled per token with the outlier
+channels apart, see workers/scheduler/quantization.py and bench/README.md).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def main() -> None:
         for (runner, core), spent in zip(engines, times, strict=True):
             spent.append(step(runner, core))
     lines = [
-        f"`python bench/steps.py --batch {args.batch} --modes {' '.join(args.modes)}`",
+        f"`python bench/steps.py {' '.join(sys.argv[1:])}`",
         "",
         "| mode | batch | step ms p50 | step ms p10 | tok/s at p50 |",
         "|---|---:|---:|---:|---:|",
