@@ -86,7 +86,7 @@ def quantize_model(
 ) -> int:
     """Wraps the decoder's projections (int4) and the LM head (int8) in `CompactLinear`,
     and for "w8a8_int8" the projections whose inputs come from a norm or attention (qkv,
-    o, gate_up) again in `DynamicInt8Linear`, which needs `input_max` (`projection_inputs`
+    o, gate_up) again in `DynamicInt8Linear`, which needs `input_max` (`projection_input_max`
     of a calibration run, by module name); the number of projections given compact copies.
     Shapes the packed kernels cannot take stay dense (see `fits`)."""
     if method not in QUANTIZATIONS:
@@ -178,7 +178,7 @@ def calibration_ids(model_path: str) -> list[int]:
 
 # w8a8_int8: which projections take int8 activations. down_proj's input (silu(gate) * up)
 # has the widest outliers: W8A8 there alone cost 22 of 160 top-1 agreements with fp32 (the
-# other three together: 2-3); it stays int4/dense.
+# other three together, with the int8 head: 5); it stays int4/dense.
 DYNAMIC_INT8_PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj"})
 # Steps of these many tokens take the W8A8 kernel; fewer take int4 (faster there), more the
 # dense weights. 120 projections at 8 / 16 / 64 tokens, ms (bench/kernels.py): AVX2 fbgemm
