@@ -33,9 +33,9 @@ from workers.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from workers.scheduler.sequence import Sequence  # noqa: E402
 
 
-def run_engine(
-    runner: TorchModelRunner, prompts: list[list[int]], output_len: int
-) -> dict[str, float]:
+def engine_core(runner: TorchModelRunner, prompts: list[list[int]], output_len: int) -> Scheduler:
+    """A scheduler holding `prompts`, each to decode exactly `output_len` tokens greedily, in
+    one batch (also bench/steps.py's)."""
     config = SchedulerConfig(
         num_kv_blocks=runner.num_kv_blocks,
         vocab_size=runner.vocab_size,
@@ -50,6 +50,13 @@ def run_engine(
     for i, ids in enumerate(prompts):
         params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
         assert core.add(Sequence(f"r{i}", list(ids), params)) is None
+    return core
+
+
+def run_engine(
+    runner: TorchModelRunner, prompts: list[list[int]], output_len: int
+) -> dict[str, float]:
+    core = engine_core(runner, prompts, output_len)
     steps: list[float] = []
     started = time.perf_counter()
     while not core.is_idle:

@@ -18,36 +18,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.engine import engine_core  # noqa: E402
 from bench.serving import make_prompts  # noqa: E402
 from shared.config import QUANTIZATIONS  # noqa: E402
 from shared.model_files import resolve_model  # noqa: E402
-from shared.protocol import SamplingParams  # noqa: E402
 from workers.scheduler.model_runner import TorchModelRunner  # noqa: E402
-from workers.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from workers.scheduler.sequence import Sequence  # noqa: E402
+from workers.scheduler.scheduler import Scheduler  # noqa: E402
 
 
 def engine(
     model_path: str, quantization: str, prompts: list[list[int]], steps: int, dtype: str
 ) -> tuple[TorchModelRunner, Scheduler]:
-    batch, input_len = len(prompts), len(prompts[0])
-    blocks = batch * -(-(input_len + steps) // 16)
+    blocks = len(prompts) * -(-(len(prompts[0]) + steps + 16) // 16)
     runner = TorchModelRunner.load(model_path, blocks, 16, dtype, quantization=quantization)
-    config = SchedulerConfig(
-        num_kv_blocks=runner.num_kv_blocks,
-        vocab_size=runner.vocab_size,
-        max_model_len=input_len + steps,
-        block_size=16,
-        max_num_seqs=batch,
-        max_num_batched_tokens=batch * input_len,
-        enable_prefix_caching=False,
-        eos_token_ids=frozenset(),
-    )
-    core = Scheduler(config, decode_tail=lambda ids: "")
-    params = SamplingParams(max_new_tokens=steps, temperature=0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        assert core.add(Sequence(f"r{i}", list(ids), params)) is None
-    return runner, core
+    return runner, engine_core(runner, prompts, steps)
 
 
 def step(runner: TorchModelRunner, core: Scheduler) -> float:

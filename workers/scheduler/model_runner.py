@@ -12,7 +12,6 @@ import ctypes
 import json
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -335,25 +334,22 @@ class TorchModelRunner:
 
 def projection_input_max(
     model: LlamaForCausalLM, token_ids: list[int], block_size: int
-) -> dict[str, torch.Tensor]:
-    """Per input channel, the largest |value| each decoder projection (by module name) takes
-    in one prefill of `token_ids`: the calibration run of `--quantization w8a8_int8`."""
+) -> dict[nn.Module, torch.Tensor]:
+    """Per input channel, the largest |value| each decoder projection takes in one prefill
+    of `token_ids`: the calibration run of `--quantization w8a8_int8`."""
     runner = TorchModelRunner(model, -(-len(token_ids) // block_size), block_size)
     seq = Sequence("calibration", token_ids, SamplingParams(max_new_tokens=1))
     seq.block_table = list(range(runner.num_kv_blocks))
     seq.num_new_tokens = len(token_ids)
-    input_max: dict[str, torch.Tensor] = {}
+    input_max: dict[nn.Module, torch.Tensor] = {}
 
-    def recorder(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
-        def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            input_max[name] = args[0].detach().abs().amax(0).float()
-
-        return record
+    def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        input_max[module] = args[0].detach().abs().amax(0).float()
 
     handles = [
-        module.register_forward_pre_hook(recorder(name))
-        for name, module in model.named_modules()
-        if name.startswith("layers.") and isinstance(module, nn.Linear)
+        module.register_forward_pre_hook(record)
+        for module in model.layers.modules()
+        if isinstance(module, nn.Linear)
     ]
     try:
         runner.forward([seq])

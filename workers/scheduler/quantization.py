@@ -82,12 +82,12 @@ class CompactLinear(nn.Module):
 
 
 def quantize_model(
-    model: LlamaForCausalLM, method: str, input_max: dict[str, torch.Tensor] | None = None
+    model: LlamaForCausalLM, method: str, input_max: dict[nn.Module, torch.Tensor] | None = None
 ) -> int:
     """Wraps the decoder's projections (int4) and the LM head (int8) in `CompactLinear`,
     and for "w8a8_int8" the projections whose inputs come from a norm or attention (qkv,
     o, gate_up) again in `DynamicInt8Linear`, which needs `input_max` (`projection_input_max`
-    of a calibration run, by module name); the number of projections given compact copies.
+    of a calibration run, by projection); the number of projections given compact copies.
     Shapes the packed kernels cannot take stay dense (see `fits`)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r} ({', '.join(QUANTIZATIONS)})")
@@ -98,7 +98,7 @@ def quantize_model(
     if method == "w8a8_int8" and input_max is None:
         raise ValueError("w8a8_int8 needs the projections' calibrated input ranges")
     wrapped = 0
-    for i, layer in enumerate(model.layers):
+    for layer in model.layers:
         for parent, name in (
             (layer.self_attn, "qkv_proj"),
             (layer.self_attn, "o_proj"),
@@ -110,9 +110,7 @@ def quantize_model(
                 continue
             compact: nn.Module = CompactLinear(dense, bits=4)
             if input_max is not None and name in DYNAMIC_INT8_PROJECTIONS:
-                parent_name = "self_attn" if parent is layer.self_attn else "mlp"
-                key = f"layers.{i}.{parent_name}.{name}"
-                compact = DynamicInt8Linear(compact, dense, input_max[key])
+                compact = DynamicInt8Linear(compact, dense, input_max[dense])
             setattr(parent, name, compact)
             wrapped += 1
     assert isinstance(model.lm_head, nn.Linear)
