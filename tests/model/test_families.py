@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from shared.protocol import SamplingParams
-from workers.scheduler.llama import ModelArgs
+from workers.scheduler.llama import ModelArgs, load_model
 from workers.scheduler.model_runner import DECODE_MATMUL_MIN_SEQS, TorchModelRunner
-from workers.scheduler.quantization import CompactLinear, fits
+from workers.scheduler.prepacked import PrepackedLinear, can_prepack
+from workers.scheduler.quantization import CompactLinear, fits, quantize_model
 from workers.scheduler.sequence import Sequence
 
 BLOCK_SIZE = 16
@@ -149,6 +150,35 @@ def test_bf16_decode_attention_follows_sdpa(family: Any) -> None:
     error = (fast - reference).abs().max() / reference.abs().max()
     # Measured: 0.007-0.016 (bf16 rounding); no mask 0.36-0.92, wrong kv head 0.06-0.60.
     assert error < 0.03, error
+
+
+@pytest.mark.skipif(
+    not can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 on this CPU"
+)
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_bf16_prepacked_projections_give_the_plain_bits(family: Any, quantization: str) -> None:
+    """A bf16 runner's projections (int4's dense weights too) prepacked in oneDNN's layout
+    give exactly what `F.linear` gives on the plain weights, prefill and decode."""
+    _, folder = family
+    packed = TorchModelRunner.load(
+        str(folder), 16, BLOCK_SIZE, dtype="bfloat16", quantization=quantization
+    )
+    plain = TorchModelRunner(load_model(folder, torch.bfloat16, "cpu"), 16, BLOCK_SIZE)
+    quantize_model(plain.model, quantization)
+    linears = [m for m in packed.model.modules() if isinstance(m, PrepackedLinear)]
+    assert len(linears) == 4 * len(packed.model.layers) + 1  # and the LM head, wrapped or not
+    prompts = [list(range(3, 3 + n)) for n in (40, 7, 19)]  # 66 tokens: dense in int4 too
+    outputs = []
+    with torch.inference_mode():
+        for runner in (packed, plain):
+            seqs = _seqs(prompts)
+            hidden = [step(runner, seqs)]
+            for seq in seqs:
+                seq.append_token(9)
+            hidden.append(step(runner, seqs))
+            outputs.append([runner.model.compute_logits(h) for h in hidden])
+    for ours, theirs in zip(*outputs, strict=True):
+        assert torch.equal(ours, theirs)
 
 
 def step(runner: TorchModelRunner, seqs: list[Sequence]) -> torch.Tensor:

@@ -33,6 +33,7 @@ from workers.scheduler.outputs import (
     step_spans,
     wants_prompt_outputs,
 )
+from workers.scheduler.prepacked import prepack_linears
 from workers.scheduler.quantization import calibration_ids, quantize_model
 from workers.scheduler.sampler import process_logits, sample
 from workers.scheduler.sequence import Sequence
@@ -199,6 +200,8 @@ class TorchModelRunner:
             input_max = projection_input_max(model, calibration_ids(model_path), block_size)
         if quantize_model(model, quantization, input_max):
             logger.info("compact %s copies of the projections for small steps", quantization)
+        if prepack_linears(model):
+            logger.info("bf16 projections prepacked in oneDNN's layout")
         logger.info("loaded weights from %s in %.1fs", model_path, time.monotonic() - started)
         weight = model.embed_tokens.weight
         bytes_per_block = kv_bytes_per_token(model.args, weight.dtype) * block_size
