@@ -1,23 +1,26 @@
-"""`--quantization int4` and `w8a8_int8`: compact copies for small steps, dense weights for
-large ones, and their accuracy against the fp32 reference on the real SmolLM2
+"""`--quantization int4` and `w8a8_int8`: each step size routed to the kernel timed fastest
+for it, and the kernels' accuracy against the fp32 reference on the real SmolLM2
 (teacher_forcing.py)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 from torch import nn
 
+from tests.model.routing import route_every_size
 from tests.model.teacher_forcing import Reference, agreement
 from workers.scheduler import quantization
 from workers.scheduler.model_runner import TorchModelRunner
 from workers.scheduler.quantization import (
-    COMPACT_MAX_TOKENS,
-    DYNAMIC_INT8_TOKENS,
-    CompactLinear,
-    DynamicInt8Linear,
+    DynamicInt8,
+    Int4Weights,
+    Int8Weights,
     quantize_model,
 )
+from workers.scheduler.tiered import DENSE, TUNED_TOKENS, TieredLinear, tune_routes
 
 pytestmark = pytest.mark.model
 
@@ -28,38 +31,88 @@ MIN_TOP1_AGREEMENT = 0.95
 MAX_MEAN_LOGPROB_ERROR = 0.06
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_small_steps_take_the_compact_weights_and_large_ones_the_dense(bits: int) -> None:
+@pytest.mark.parametrize(("kernel", "tolerance"), [("int4", 0.08), ("int8", 0.02), ("w8a8", 0.02)])
+def test_each_compact_kernel_follows_the_dense_weights(kernel: str, tolerance: float) -> None:
+    # int4: 15 levels per group of 32; int8: 254 levels per channel (plus bf16 activations).
     torch.manual_seed(0)
     dense = nn.Linear(128, 96, bias=True)
-    layer = CompactLinear(dense, bits=bits)
+    layer = TieredLinear(dense, _kernels(dense)[kernel])
     with torch.inference_mode():
-        small = torch.randn(layer.max_tokens, 128)
-        large = torch.randn(layer.max_tokens + 1, 128)
-        assert torch.equal(layer(large), dense(large))
-        compact, exact = layer(small), dense(small)
+        x = torch.randn(16, 128)
+        compact, exact = layer(x), dense(x)
     assert compact.dtype == torch.float32
     assert not torch.equal(compact, exact)  # really the quantized kernel
-    # int4: 15 levels per group of 32; int8: 254 levels per channel (plus bf16 activations).
-    tolerance = 0.08 if bits == 4 else 0.02
     assert (compact - exact).abs().max() < tolerance * exact.abs().max()
+
+
+def _kernels(dense: nn.Linear) -> dict[str, dict[str, nn.Module]]:
+    return {
+        "int4": {"int4": Int4Weights(dense.weight)},
+        "int8": {"int8": Int8Weights(dense.weight)},
+        "w8a8": {"w8a8": DynamicInt8(dense.weight, torch.ones(dense.in_features))},
+    }
+
+
+def test_a_step_takes_the_route_of_the_smallest_tuned_size_that_holds_it() -> None:
+    torch.manual_seed(0)
+    dense = nn.Linear(128, 96)
+    layer = TieredLinear(dense, {**_kernels(dense)["int4"], **_kernels(dense)["w8a8"]})
+    layer.route = ["int4", "int4", "w8a8", "int4", DENSE, "w8a8", "int4"]  # 1, 2, 4 .. 64
+    expected = {1: "int4", 2: "int4", 3: "w8a8", 4: "w8a8", 5: "int4", 16: DENSE, 17: "w8a8"}
+    expected |= {64: "int4", 65: DENSE, 300: DENSE}
+    with torch.inference_mode():
+        for tokens, kernel in expected.items():
+            x = torch.randn(tokens, 128)
+            assert torch.equal(layer(x), layer.run(kernel, x)), (tokens, kernel)
+        assert not torch.equal(layer.run("int4", x), layer.run("w8a8", x))
+
+
+class _SlowAbove(nn.Module):
+    """A kernel that takes 5 ms for steps of more than `tokens` tokens and no time for the
+    rest (its output: zeros); `_Dense2ms` beside it takes 2 ms for any step."""
+
+    def __init__(self, out_features: int, tokens: int) -> None:
+        super().__init__()
+        self.out_features, self.tokens = out_features, tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.tokens:
+            time.sleep(0.005)
+        return x.new_zeros(x.shape[0], self.out_features)
+
+
+class _Dense2ms(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002)
+        return super().forward(x)
+
+
+def test_tune_routes_sends_each_step_size_to_the_kernel_that_ran_it_fastest() -> None:
+    model = nn.Sequential(
+        *(TieredLinear(_Dense2ms(8, 8), {"fake": _SlowAbove(8, 4)}) for _ in range(3)),
+        TieredLinear(_Dense2ms(8, 8), {"other": _SlowAbove(8, 16)}),
+    )
+    routes = tune_routes(model)
+    fake = ["fake"] * 3 + [DENSE] * (len(TUNED_TOKENS) - 3)  # sizes 1, 2, 4, then dense
+    other = ["other"] * 5 + [DENSE] * (len(TUNED_TOKENS) - 5)
+    assert routes == {"fake x3": fake, "other x1": other}
+    assert [layer.route for layer in model] == [fake, fake, fake, other]
 
 
 def test_quantize_model_wraps_every_projection_and_the_head(model_path: str) -> None:
     runner = TorchModelRunner.load(model_path, 8, 16, dtype="float32", quantization="int4")
     model = runner.model
-    assert isinstance(model.lm_head, CompactLinear) and model.lm_head.bits == 8
+    assert isinstance(model.lm_head, TieredLinear) and list(model.lm_head.kernels) == ["int8"]
     for layer in model.layers:
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-            assert isinstance(proj, CompactLinear) and proj.bits == 4
+            assert isinstance(proj, TieredLinear) and list(proj.kernels) == ["int4"]
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_model(model, "int3")
 
 
 def test_int4_follows_the_fp32_greedy_trajectory(model_path: str, reference: Reference) -> None:
-    # Decode steps take the compact weights, the head's included.
-    assert len(reference.prompts) <= min(COMPACT_MAX_TOKENS.values())
     int4 = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="int4")
+    route_every_size(int4.model)  # every step up to 64 tokens compact, the head's included
     result = agreement(reference, int4)
     assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
     assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)
@@ -79,27 +132,10 @@ def test_w8a8_keeps_outlier_channels_out_of_the_int8_product(
     dense = nn.Linear(128, 96, bias=True)
     x = torch.randn(16, 128)
     x[:, [3, 40, 77]] *= 60
-    layer = DynamicInt8Linear(CompactLinear(dense, bits=4), dense, x.abs().amax(0))
+    layer = TieredLinear(dense, {"w8a8": DynamicInt8(dense.weight, x.abs().amax(0))})
     with torch.inference_mode():
         error = (layer(x) - dense(x)).abs().max() / dense(x).abs().max()
     assert (error < bound) == bool(outlier_channels), float(error)
-
-
-def test_w8a8_takes_int4_for_small_steps_int8_for_middle_ones_dense_for_large() -> None:
-    torch.manual_seed(0)
-    dense = nn.Linear(128, 96)
-    inner = CompactLinear(dense, bits=4)
-    layer = DynamicInt8Linear(inner, dense, torch.ones(128))
-    with torch.inference_mode():
-        for tokens in (1, DYNAMIC_INT8_TOKENS.start - 1):
-            x = torch.randn(tokens, 128)
-            assert torch.equal(layer(x), inner(x))  # int4 (the inner module)
-        x = torch.randn(DYNAMIC_INT8_TOKENS.stop, 128)
-        assert torch.equal(layer(x), dense(x))
-        x = torch.randn(DYNAMIC_INT8_TOKENS.start, 128)
-        middle = layer(x)
-        assert not torch.equal(middle, inner(x)) and not torch.equal(middle, dense(x))
-        assert (middle - dense(x)).abs().max() < 0.02 * dense(x).abs().max()
 
 
 def test_w8a8_needs_calibrated_input_ranges(model_path: str) -> None:
@@ -109,15 +145,13 @@ def test_w8a8_needs_calibrated_input_ranges(model_path: str) -> None:
 
 
 def test_w8a8_follows_the_fp32_greedy_trajectory(model_path: str, reference: Reference) -> None:
-    # Every decode step through the W8A8 kernel (the reference decodes 5 prompts together,
-    # fewer tokens than its usual range): qkv, o and gate_up in int8 x int8, down_proj in
+    # Every step through the W8A8 kernel: qkv, o and gate_up in int8 x int8, down_proj in
     # int4, the int8 head. Measured on 2 AVX2 cores: top-1 155/160, mean |logprob error|
     # 0.040, max 0.27 (int4 alone: 158/160, 0.030).
     w8a8 = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="w8a8_int8")
-    layers = [m for m in w8a8.model.modules() if isinstance(m, DynamicInt8Linear)]
-    assert len(layers) == 3 * len(w8a8.model.layers)
-    for layer in layers:
-        layer.tokens = range(1, DYNAMIC_INT8_TOKENS.stop)
+    assert route_every_size(w8a8.model, "w8a8") == 4 * len(w8a8.model.layers) + 1
+    w8a8_layers = [m for m in w8a8.model.modules() if isinstance(m, DynamicInt8)]
+    assert len(w8a8_layers) == 3 * len(w8a8.model.layers)
     result = agreement(reference, w8a8)
     assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
     assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)

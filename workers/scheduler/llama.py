@@ -307,7 +307,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
-    lm_head: nn.Module  # an nn.Linear, or its CompactLinear wrapper (quantization.py)
+    lm_head: nn.Module  # an nn.Linear, or a wrapper of it (quantization.py, prepacked.py)
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

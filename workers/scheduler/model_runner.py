@@ -37,6 +37,7 @@ from workers.scheduler.prepacked import prepack_linears
 from workers.scheduler.quantization import calibration_ids, quantize_model
 from workers.scheduler.sampler import process_logits, sample
 from workers.scheduler.sequence import Sequence
+from workers.scheduler.tiered import TUNED_TOKENS, tune_routes
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +203,8 @@ class TorchModelRunner:
             logger.info("compact %s copies of the projections for small steps", quantization)
         if prepack_linears(model):
             logger.info("bf16 projections prepacked in oneDNN's layout")
+        if routes := tune_routes(model):
+            logger.info("kernel by step size (tokens %s), as timed here: %s", TUNED_TOKENS, routes)
         logger.info("loaded weights from %s in %.1fs", model_path, time.monotonic() - started)
         weight = model.embed_tokens.weight
         bytes_per_block = kv_bytes_per_token(model.args, weight.dtype) * block_size

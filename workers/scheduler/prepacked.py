@@ -6,7 +6,7 @@ layout.
 projections (~200 MB in bf16) that is one extra pass over the weights per forward, which is
 most of a small decode step. `torch.ops.mkldnn._linear_pointwise` takes the weight already
 reordered (`_reorder_linear_weight`, what inductor's weight prepacking does) and gives the
-same bits as `F.linear` (tests/model/test_prepacked.py). Measured on 2 Sapphire Rapids
+same bits as `F.linear` (tests/model/test_families.py). Measured on 2 Sapphire Rapids
 cores (AMX, torch 2.13, bench/kernels.py): 120 projections at 1 token 12.7 vs 21.7 ms, at
 64 tokens 26.1 vs 38.6 ms. fp32 stays on `F.linear` (MKL): it is the exact reference.
 """

@@ -1,15 +1,10 @@
-"""Quantized projections for small and middle-sized CPU steps (`--quantization int4`,
-`--quantization w8a8_int8`).
+"""Quantized kernels for small and middle-sized CPU steps (`--quantization int4`,
+`--quantization w8a8_int8`). Each wrapped projection is a `TieredLinear` (tiered.py) that
+routes a step by its token count to the kernel measured fastest for that size on this CPU.
 
 A decode step of a few sequences is memory-bound: every step reads all the weights once, so
-their size sets its time. Measured on 2 AVX2 cores (torch 2.13, the model's 120 projections,
-`bench/kernels.py`): fp32 `F.linear` takes 34 ms at 1 token, torch's packed int4 kernel
-(`_weight_int4pack_mm_for_cpu`, bf16 activations) 9 ms; from 32 tokens on the packed kernel
-is compute-bound and no faster than fp32 (32 tokens: 143-147 vs 119-137 ms). So each
-`CompactLinear` keeps the dense weight and a compact copy, and takes the compact one only
-for steps of at most `COMPACT_MAX_TOKENS` tokens (16 for the projections; for the head 16
-over fp32 weights, 8 over bf16 ones): decodes of small batches; prefills and large batches
-stay dense.
+their size sets its time (2 AVX2 cores, 120 projections at 1 token: fp32 34 ms, torch's
+packed int4 kernel 9 ms); large steps are compute-bound, and there the packed kernels lose.
 
 Decoder projections: int4, asymmetric, groups of 32 along the input dim (scale and zero per
 group). SmolLM2's packaged weights come from a Q4_1 GGUF (the same layout), so requantizing
@@ -18,14 +13,12 @@ them is close to lossless. The LM head: int8 per output channel (an int4 head co
 reference: tests/model/test_quantization.py. CPU only: the CUDA int4 kernel wants
 another packing.
 
-`w8a8_int8` adds a middle tier (`DynamicInt8Linear`): steps of 9-64 tokens are compute-bound
-on the packed int4 kernel and on fp32, but fbgemm's int8 x int8 kernel runs them 2-3x faster
-(bench/kernels.py). Its activations are quantized at run time, which this model's outlier
-channels make lossy; a calibration prefill at load (`CALIBRATION_TEXT`) finds them. Measured
-in an engine decode step on 2 AVX2 cores (interleaved A/B in one process): 16 sequences
-111 ms vs int4 124 ms vs fp32 158 ms; 64 sequences 346 vs fp32 386 ms.
+`w8a8_int8` gives qkv, o and gate_up a third kernel (`DynamicInt8`): fbgemm's int8 x int8,
+2-3x faster than int4 and fp32 from 8 tokens on over AVX2 (bench/kernels.py). Its
+activations are quantized at run time, which this model's outlier channels make lossy; a
+calibration prefill at load (`CALIBRATION_TEXT`) finds them.
 
-Whether a step is compact depends on how many tokens it carries, so with quantization on,
+Which kernel a step takes depends on how many tokens it carries, so with quantization on,
 a request's tokens can differ (rarely) with the batch it shares: quantization is opt-in and
 fp32 without it stays the exact, batch-invariant reference.
 """
@@ -39,56 +32,50 @@ from torch import nn
 
 from shared.config import QUANTIZATIONS
 from workers.scheduler.llama import LlamaForCausalLM
+from workers.scheduler.tiered import TieredLinear
 
-# The most tokens a step may carry and still take the compact weights, by (bits, bytes per
-# dense weight): the compact kernels win while a step is bound by reading the weights, which
-# lasts longer against fp32 weights than against bf16 ones. int4 projections at 16 tokens:
-# 45-78 ms vs fp32 53-88 ms (AVX2), 11.9 vs bf16 13.7 ms (AVX512-BF16). The int8 LM head
-# (49152 x 576) against bf16: at 8 rows 1.9 vs 2.4 ms, at 12 rows 3.5 vs 3.0 ms (AVX512-BF16);
-# against fp32: at 16 rows 22.5 vs 36.4 ms, at 32 rows 40.9 vs 40.8 ms (AVX2).
-COMPACT_MAX_TOKENS = {(4, 4): 16, (4, 2): 16, (8, 4): 16, (8, 2): 8}
 INT4_GROUP_SIZE = 32
 
 
-class CompactLinear(nn.Module):
-    """An `nn.Linear` (kept, for large steps) plus a compact copy of its weight for small
-    ones; the output has the input's dtype either way."""
+class Int4Weights(nn.Module):
+    """x @ w.T with w in int4 groups (torch's packed kernel: vectorized for bf16
+    activations, ~10x slower on fp32 ones). Output bf16, no bias."""
 
-    def __init__(self, dense: nn.Linear, bits: int) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        self.dense = dense
-        self.bits = bits
-        self.max_tokens = COMPACT_MAX_TOKENS[bits, dense.weight.element_size()]
-        weight = dense.weight.detach().float()
-        packed, scales = (
-            int4_groups(weight, INT4_GROUP_SIZE) if bits == 4 else int8_channels(weight)
-        )
+        packed, scales = int4_groups(weight.detach().float(), INT4_GROUP_SIZE)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_tokens:
-            return self.dense(x)
-        # The packed kernels are vectorized for bf16 activations (fp32 ones are ~10x slower).
         low = x.to(torch.bfloat16)
-        if self.bits == 4:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                low, self.packed, INT4_GROUP_SIZE, self.scales
-            )
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(low, self.packed, self.scales)
-        out = out.to(x.dtype)
-        return out if self.dense.bias is None else out + self.dense.bias
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            low, self.packed, INT4_GROUP_SIZE, self.scales
+        )
+
+
+class Int8Weights(nn.Module):
+    """x @ w.T with w in int8 per output channel (bf16 activations). Output bf16, no bias."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        packed, scales = int8_channels(weight.detach().float())
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.packed, self.scales)
 
 
 def quantize_model(
     model: LlamaForCausalLM, method: str, input_max: dict[nn.Module, torch.Tensor] | None = None
 ) -> int:
-    """Wraps the decoder's projections (int4) and the LM head (int8) in `CompactLinear`,
-    and for "w8a8_int8" the projections whose inputs come from a norm or attention (qkv,
-    o, gate_up) again in `DynamicInt8Linear`, which needs `input_max` (`projection_input_max`
-    of a calibration run, by projection); the number of projections given compact copies.
-    Shapes the packed kernels cannot take stay dense (see `fits`)."""
+    """Wraps the decoder's projections (kernel "int4") and the LM head ("int8") in
+    `TieredLinear`; for "w8a8_int8" the projections whose inputs come from a norm or
+    attention (qkv, o, gate_up) get a "w8a8" kernel too, which needs `input_max`
+    (`projection_input_max` of a calibration run, by projection). Returns the number of
+    projections wrapped. Shapes the packed kernels cannot take stay dense (see `fits`).
+    Routes stay untuned: `tune_routes` (tiered.py) measures them."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r} ({', '.join(QUANTIZATIONS)})")
     if method == "none":
@@ -108,14 +95,15 @@ def quantize_model(
             dense = getattr(parent, name)
             if not fits(dense, bits=4):
                 continue
-            compact: nn.Module = CompactLinear(dense, bits=4)
+            kernels: dict[str, nn.Module] = {"int4": Int4Weights(dense.weight)}
             if input_max is not None and name in DYNAMIC_INT8_PROJECTIONS:
-                compact = DynamicInt8Linear(compact, dense, input_max[dense])
-            setattr(parent, name, compact)
+                kernels["w8a8"] = DynamicInt8(dense.weight, input_max[dense])
+            setattr(parent, name, TieredLinear(dense, kernels))
             wrapped += 1
-    assert isinstance(model.lm_head, nn.Linear)
-    if fits(model.lm_head, bits=8):
-        model.lm_head = CompactLinear(model.lm_head, bits=8)
+    head = model.lm_head
+    assert isinstance(head, nn.Linear)
+    if fits(head, bits=8):
+        model.lm_head = TieredLinear(head, {"int8": Int8Weights(head.weight)})
         wrapped += 1
     return wrapped
 
@@ -178,11 +166,6 @@ def calibration_ids(model_path: str) -> list[int]:
 # has the widest outliers: W8A8 there alone cost 22 of 160 top-1 agreements with fp32 (the
 # other three together, with the int8 head: 5); it stays int4/dense.
 DYNAMIC_INT8_PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj"})
-# Steps of these many tokens take the W8A8 kernel; fewer take int4 (faster there), more the
-# dense weights. 120 projections at 8 / 16 / 64 tokens, ms (bench/kernels.py): AVX2 fbgemm
-# 12.9 / 26.7 / 114 vs int4 39.2 / 72.5 / 298 vs fp32 62.7 / 64.7 / 146; AVX512-BF16 at
-# 16 / 64: 6.1 / 14.2 vs int4 11.9 / 43.0 vs bf16 13.7 / 26.2.
-DYNAMIC_INT8_TOKENS = range(9, 65)
 # Input channels whose calibrated range is widest stay out of the int8 product (computed
 # in the model's dtype), and SmoothQuant moves part of the rest of the activations' range
 # into the weights (s = input_max**ALPHA / weight_max**(1 - ALPHA) per input channel).
@@ -190,24 +173,22 @@ OUTLIER_CHANNELS = 16
 SMOOTHING_ALPHA = 0.7
 
 
-class DynamicInt8Linear(nn.Module):
+class DynamicInt8(nn.Module):
     """int8 weights (per output channel) x int8 activations quantized at run time (7 bits,
-    per token: fbgemm's `linear_dynamic` on rows scaled to [-1, 1]) for steps of
-    `DYNAMIC_INT8_TOKENS` tokens; other steps go to `inner` (int4 for small ones, dense for
-    large). Per-tensor int8 activations alone cost 41 of 160 top-1 agreements on SmolLM2: a
-    few input channels carry values 10-100x the others. So the `OUTLIER_CHANNELS` widest
-    (from a calibration run) are multiplied apart in full precision, and the rest are
-    smoothed (divided by s, the weights' columns multiplied by it) before quantizing."""
+    per token: fbgemm's `linear_dynamic` on rows scaled to [-1, 1]). Output in the input's
+    dtype, no bias. Per-tensor int8 activations alone cost 41 of 160 top-1 agreements on
+    SmolLM2: a few input channels carry values 10-100x the others. So the
+    `OUTLIER_CHANNELS` widest (from a calibration run) are multiplied apart in the weights'
+    precision, and the rest are smoothed (divided by s, the weights' columns multiplied by
+    it) before quantizing."""
 
     inverse_smooth: torch.Tensor  # 1 / s per input channel, 0 for the outlier channels
     outliers: torch.Tensor
     outlier_weight: torch.Tensor  # [outliers, out_features]
 
-    def __init__(self, inner: nn.Module, dense: nn.Linear, input_max: torch.Tensor) -> None:
+    def __init__(self, dense_weight: torch.Tensor, input_max: torch.Tensor) -> None:
         super().__init__()
-        self.inner = inner
-        self.tokens = DYNAMIC_INT8_TOKENS
-        weight = dense.weight.detach().float()
+        weight = dense_weight.detach().float()
         smooth = (
             input_max.float().clamp(min=1e-5) ** SMOOTHING_ALPHA
             / weight.abs().amax(0).clamp(min=1e-5) ** (1 - SMOOTHING_ALPHA)
@@ -222,18 +203,14 @@ class DynamicInt8Linear(nn.Module):
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(smoothed, scale, zero_points, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(q, None)
-        dtype = dense.weight.dtype
+        outlier_weight = weight[:, outliers].t().to(dense_weight.dtype)
         self.register_buffer("inverse_smooth", inverse, persistent=False)
         self.register_buffer("outliers", outliers, persistent=False)
-        self.register_buffer("outlier_weight", weight[:, outliers].t().to(dtype), persistent=False)
-        self.bias = dense.bias
+        self.register_buffer("outlier_weight", outlier_weight, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] not in self.tokens:
-            return self.inner(x)
         rows = x.float() * self.inverse_smooth
         row_max = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True)
         row_max = row_max.clamp_(min=1e-6)
         out = torch.ops.quantized.linear_dynamic(rows / row_max, self.packed, True).mul_(row_max)
-        out = torch.addmm(out.to(x.dtype), x.index_select(-1, self.outliers), self.outlier_weight)
-        return out if self.bias is None else out + self.bias
+        return torch.addmm(out.to(x.dtype), x.index_select(-1, self.outliers), self.outlier_weight)

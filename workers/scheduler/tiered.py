@@ -1,0 +1,85 @@
+"""Projections with several kernels, each step routed by how many tokens it carries.
+
+A step of a few tokens is bound by reading the weights, so compact copies win there; a
+large one is bound by arithmetic, where the dense weights (or int8 x int8) win. Where the
+crossovers lie differs from CPU to CPU (bench/kernels.py, 120 projections): torch's packed
+int4 kernel beats bf16 up to 16 tokens on one AVX512-BF16 VM (11.9 vs 13.7 ms at 16), only
+at 1-2 tokens on a Sapphire Rapids VM against prepacked bf16 (16 tokens: 31 vs 17 ms), and
+up to 16 tokens against fp32 on AVX2. So `tune_routes` times every kernel on the machine at
+load instead of trusting a table made on another one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+# Step sizes that get a measured route; a step of n tokens takes the route of the smallest
+# size >= n, and steps above the last one always take the dense weights.
+TUNED_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+DENSE = "dense"
+
+
+class TieredLinear(nn.Module):
+    """An `nn.Linear` (kept, for large steps) plus compact kernels that compute the same
+    product without its bias; `route[i]` names the kernel for steps of up to
+    `TUNED_TOKENS[i]` tokens. The output has the input's dtype whichever runs."""
+
+    bias: torch.Tensor | None
+
+    def __init__(self, dense: nn.Linear, kernels: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.dense: nn.Module = dense
+        self.kernels = nn.ModuleDict(kernels)
+        self.bias = dense.bias
+        self.in_features, self.dtype = dense.in_features, dense.weight.dtype
+        # Until `tune_routes` measures: the first compact kernel for every tuned size.
+        self.route = [next(iter(kernels))] * len(TUNED_TOKENS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tier = bisect.bisect_left(TUNED_TOKENS, x.shape[0])
+        return self.run(self.route[tier] if tier < len(TUNED_TOKENS) else DENSE, x)
+
+    def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == DENSE:
+            return self.dense(x)
+        out = self.kernels[kernel](x).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+@torch.inference_mode()
+def tune_routes(model: nn.Module, repeats: int = 3) -> dict[str, list[str]]:
+    """Routes every tuned step size of each `TieredLinear` in `model` to the kernel that ran
+    it fastest here. Projections with the same kernels are timed together, one pass over
+    all of them as a forward makes it (so their weights come from memory, not cache), the
+    kernels' passes interleaved, best of `repeats`. Returns the routes by kernel set."""
+    groups: dict[tuple[str, ...], list[TieredLinear]] = defaultdict(list)
+    for module in model.modules():
+        if isinstance(module, TieredLinear):
+            groups[tuple(module.kernels)].append(module)
+    routes = {}
+    for names, layers in groups.items():
+        route = [_fastest(layers, [*names, DENSE], tokens, repeats) for tokens in TUNED_TOKENS]
+        for layer in layers:
+            layer.route = list(route)
+        routes[f"{'/'.join(names)} x{len(layers)}"] = route
+    return routes
+
+
+def _fastest(layers: list[TieredLinear], kernels: list[str], tokens: int, repeats: int) -> str:
+    inputs = {
+        (layer.in_features, layer.dtype): torch.randn(tokens, layer.in_features).to(layer.dtype)
+        for layer in layers
+    }
+    best = dict.fromkeys(kernels, float("inf"))
+    for _ in range(repeats):
+        for kernel in kernels:
+            started = time.perf_counter()
+            for layer in layers:
+                layer.run(kernel, inputs[layer.in_features, layer.dtype])
+            best[kernel] = min(best[kernel], time.perf_counter() - started)
+    return min(best, key=best.__getitem__)
