@@ -4,7 +4,9 @@
 
 Times one pass over 30 layers' projections (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536: 120 distinct weights, so they are cache-cold as in the model) for each
-number of tokens per step, median of 5. Kernels: fp32 and bf16 `F.linear`; torch's
+number of tokens per step, median of 5. Kernels: fp32 and bf16 `F.linear`; bf16 with the
+weights prepacked in oneDNN's layout (what a bf16 runner uses, workers/scheduler/prepacked.py;
+skipped where oneDNN has no bf16); torch's
 weight-only packed int8 (per channel) and int4 (groups of 32) kernels with bf16
 activations (their fp32-activation paths are ~10x slower); fbgemm's dynamic int8
 (activations quantized per tensor: fast, but alone 119/160 top-1 agreement with fp32 on the
@@ -26,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
+from workers.scheduler.prepacked import PrepackedLinear, can_prepack  # noqa: E402
 from workers.scheduler.quantization import (  # noqa: E402
     INT4_GROUP_SIZE,
     int4_groups,
@@ -61,6 +65,13 @@ def _fbgemm_dynamic(weight: torch.Tensor) -> Kernel:
     return lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
+def _prepacked_bf16(weight: torch.Tensor) -> Kernel:
+    dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    dense.weight.data = weight.to(torch.bfloat16)
+    packed = PrepackedLinear(dense)
+    return lambda x: packed(x.to(torch.bfloat16))
+
+
 def _dense(dtype: torch.dtype) -> Callable[[torch.Tensor], Kernel]:
     def make(weight: torch.Tensor) -> Kernel:
         w = weight.to(dtype)
@@ -72,6 +83,7 @@ def _dense(dtype: torch.dtype) -> Callable[[torch.Tensor], Kernel]:
 KERNELS: dict[str, Callable[[torch.Tensor], Kernel]] = {
     "fp32 F.linear": _dense(torch.float32),
     "bf16 F.linear": _dense(torch.bfloat16),
+    "bf16 prepacked (oneDNN layout)": _prepacked_bf16,
     "int8 weight-only (_weight_int8pack_mm)": _int8,
     "int4 weight-only g32 (_weight_int4pack_mm_for_cpu)": _int4,
     "fbgemm dynamic int8 (per-tensor activations)": _fbgemm_dynamic,
@@ -110,6 +122,8 @@ def main() -> None:
         "|---|" + "---:|" * len(args.tokens),
     ]
     for name, make in KERNELS.items():
+        if make is _prepacked_bf16 and not can_prepack(weights[0].to(torch.bfloat16)):
+            continue
         kernels = [make(w) for w in weights]
         row = []
         for m in args.tokens:

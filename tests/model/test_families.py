@@ -12,6 +12,7 @@ import torch
 
 from shared.protocol import SamplingParams
 from tests.model.routing import route_every_size
+from workers.scheduler.attention_tuning import AttentionChoice
 from workers.scheduler.llama import ModelArgs, load_model
 from workers.scheduler.model_runner import DECODE_MATMUL_MIN_SEQS, TorchModelRunner
 from workers.scheduler.prepacked import PrepackedLinear, can_prepack
@@ -126,14 +127,17 @@ def test_int4_runs_every_family_close_to_fp32(family: Any) -> None:
     assert correlation > 0.95
 
 
-def test_bf16_decode_attention_follows_sdpa(family: Any) -> None:
-    """The bf16 CPU decode path (two matmuls over K/V gathered head-major) against SDPA in
-    fp32 on the same cache and inputs: grouped-query heads, and sequences of unequal
-    lengths (up to 18 tokens over two blocks, the shorter ones padded)."""
+@pytest.mark.parametrize("kernel", ["matmuls", "bf16 sdpa"])
+def test_bf16_decode_attention_follows_sdpa(family: Any, kernel: str) -> None:
+    """The bf16 CPU decode paths (two matmuls over K/V gathered head-major, or SDPA on the
+    bf16 tensors) against SDPA in fp32 on the same cache and inputs: grouped-query heads,
+    and sequences of unequal lengths (up to 18 tokens over two blocks, the shorter ones
+    padded)."""
     _, folder = family
     runner = TorchModelRunner.load(
         str(folder), num_kv_blocks=32, block_size=BLOCK_SIZE, dtype="bfloat16"
     )
+    runner.use_attention(AttentionChoice(upcast_sdpa=True, matmul_decodes=True))
     lengths = [18, 3, 5, 1, 9, 16, 17, 2][:DECODE_MATMUL_MIN_SEQS]
     seqs = _seqs([list(range(3, 3 + n)) for n in lengths])
     with torch.inference_mode():
@@ -146,13 +150,39 @@ def test_bf16_decode_attention_follows_sdpa(family: Any) -> None:
         batch = runner._prepare(seqs)
         (group,) = batch.groups
         assert group.score_bias is not None
-        fast = runner.model(input_ids, batch, runner.kv_cache).float()
+        score_bias = group.score_bias
         group.score_bias = None  # the general path: upcast, SDPA
         reference = runner.model(input_ids, batch, runner.kv_cache).float()
+        if kernel == "matmuls":
+            group.score_bias = score_bias
+        else:
+            runner.use_attention(AttentionChoice(upcast_sdpa=False, matmul_decodes=False))
+        fast = runner.model(input_ids, batch, runner.kv_cache).float()
     assert not torch.equal(fast, reference)
     error = (fast - reference).abs().max() / reference.abs().max()
-    # Measured: 0.007-0.016 (bf16 rounding); no mask 0.36-0.92, wrong kv head 0.06-0.60.
+    # Measured: 0.008-0.010 either way (the matmuls on another CPU 0.007-0.016: bf16
+    # rounding); no mask 0.36-0.92, wrong kv head 0.06-0.60.
     assert error < 0.03, error
+
+
+def test_bf16_prefill_attention_without_the_upcast_follows_it(family: Any) -> None:
+    """Prefill chunks through SDPA on bf16 tensors against SDPA upcast to fp32: three
+    sequences' prompts, then a second chunk of one of them over its cached first."""
+    _, folder = family
+    outputs = []
+    for upcast in (True, False):
+        runner = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, dtype="bfloat16")
+        runner.use_attention(AttentionChoice(upcast_sdpa=upcast, matmul_decodes=True))
+        seqs = _seqs([list(range(3, 3 + n)) for n in (21, 9, 16)])
+        with torch.inference_mode():
+            hidden = [step(runner, seqs)]
+            seqs[0].token_ids.extend(range(40, 48))  # within its 2 blocks
+            hidden.append(step(runner, seqs[:1]))
+        outputs.append(torch.cat(hidden).float())
+    reference, native = outputs
+    assert not torch.equal(native, reference)
+    error = (native - reference).abs().max() / reference.abs().max()
+    assert error < 0.03, error  # measured 0.008-0.010
 
 
 @pytest.mark.skipif(
@@ -170,6 +200,7 @@ def test_bf16_prepacked_projections_give_the_plain_bits(family: Any, quantizatio
     quantize_model(plain.model, quantization)
     for runner in (packed, plain):
         route_every_size(runner.model, DENSE)
+        runner.use_attention(AttentionChoice(upcast_sdpa=True, matmul_decodes=True))
     linears = [m for m in packed.model.modules() if isinstance(m, PrepackedLinear)]
     assert len(linears) == 4 * len(packed.model.layers) + 1  # and the LM head, wrapped or not
     prompts = [list(range(3, 3 + n)) for n in (40, 7, 19)]

@@ -187,6 +187,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_proj_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        # bf16/fp16 on CPU: q/k/v upcast to fp32 for SDPA, or not (attention_tuning.py
+        # times both at load; which is faster depends on the CPU).
+        self.upcast_sdpa = True
 
     def forward(
         self,
@@ -242,8 +245,7 @@ class Attention(nn.Module):
             queries[group.padded_index] = q
             queries = queries.view(num_seqs, max_q, self.num_heads, self.head_dim)
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [B, kv_heads, Lk, d]
-        if _low_precision_cpu(q):
-            # CPU's bf16 SDPA kernel is 1.5-4x slower than upcasting to fp32 for it.
+        if self.upcast_sdpa and _low_precision_cpu(q):
             queries, keys, values = queries.float(), keys.float(), values.float()
         attended = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys, values, attn_mask=group.mask, enable_gqa=True

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from shared.protocol import SamplingParams
+from workers.scheduler.attention_tuning import AttentionChoice, choose_attention
 from workers.scheduler.llama import (
+    Attention,
     AttentionBatch,
     AttentionGroup,
     LlamaForCausalLM,
@@ -160,8 +162,8 @@ class TorchModelRunner:
         self.num_kv_blocks = num_kv_blocks
         args, weight = model.args, model.embed_tokens.weight
         self.device = weight.device
-        # bf16/fp16 decodes on CPU take Attention._attend_decodes; fp32 keeps SDPA (the
-        # exact reference), and so does CUDA.
+        # bf16/fp16 decodes on CPU may take Attention._attend_decodes (`use_attention`);
+        # fp32 keeps SDPA (the exact reference), and so does CUDA.
         self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
         self.kv_cache = torch.zeros(
             args.num_layers,
@@ -213,6 +215,9 @@ class TorchModelRunner:
             num_kv_blocks, kv_memory_fraction, available, bytes_per_block
         )
         runner = cls(model, num_kv_blocks, block_size)
+        if runner.matmul_decodes:
+            attention = next(m for m in model.modules() if isinstance(m, Attention))
+            runner.use_attention(choose_attention(attention, weight.dtype))
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s on %s)",
             num_kv_blocks,
@@ -222,6 +227,14 @@ class TorchModelRunner:
             device,
         )
         return runner
+
+    def use_attention(self, choice: AttentionChoice) -> None:
+        """The attention kernels `choose_attention` timed fastest on this CPU."""
+        logger.info("attention kernels, as timed here: %s", choice)
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.upcast_sdpa = choice.upcast_sdpa
+        self.matmul_decodes = choice.matmul_decodes
 
     @property
     def vocab_size(self) -> int:

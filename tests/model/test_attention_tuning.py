@@ -1,0 +1,46 @@
+"""`choose_attention` keeps the attention kernels that ran fastest: SDPA is slowed down on
+purpose in one dtype, and the choice must follow."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.scheduler.attention_tuning import choose_attention
+from workers.scheduler.llama import Attention, ModelArgs
+
+ARGS = ModelArgs(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
+@pytest.mark.parametrize("slow_dtype", [torch.float32, torch.bfloat16])
+def test_the_faster_sdpa_dtype_wins_and_the_matmuls_beat_a_slow_sdpa(
+    monkeypatch: pytest.MonkeyPatch, slow_dtype: torch.dtype
+) -> None:
+    sdpa = F.scaled_dot_product_attention
+
+    def slowed(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        time.sleep(0.004 if query.dtype == slow_dtype else 0.002)  # the matmuls: ~0.1 ms
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", slowed)
+    attention = Attention(ARGS)
+    choice = choose_attention(attention, torch.bfloat16)
+    assert choice.upcast_sdpa is (slow_dtype == torch.bfloat16)
+    assert attention.upcast_sdpa is choice.upcast_sdpa
+    assert choice.matmul_decodes
