@@ -41,7 +41,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--quantization": (
         "scheduler.quantization",
         QUANTIZATIONS,
-        "int4: small CPU steps read int4 weights; w8a8_int8: also int8 x int8 for 9-64 tokens",
+        "int4: small CPU steps read int4 weights; w8a8_int8: also int8 x int8 where faster",
     ),
     "--kv-memory-fraction": (
         "scheduler.kv_memory_fraction",

@@ -57,12 +57,12 @@ class SchedulerSettings(BaseModel):
     # "auto": bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32 (the exact
     # reference, matching HF fp32 greedy outputs token for token).
     dtype: str = "auto"
-    # "int4": CPU steps of at most 16 tokens (small-batch decodes) use int4 copies of the
-    # decoder's projections (and, up to 8-16 rows, an int8 LM head); larger steps the dense
-    # weights. Single-stream decode 1.4-2x faster (bench/README.md). "w8a8_int8": the same,
-    # but steps of 9-64 tokens run qkv/o/gate_up as int8 x int8 (activations quantized per
-    # token at run time, calibrated at load): ~10% shorter 16- and 64-sequence decode steps
-    # on AVX2. Their accuracy and why they are opt-in: workers/scheduler/quantization.py.
+    # "int4": int4 copies of the decoder's projections and an int8 LM head beside the dense
+    # weights (CPU); each step size up to 64 tokens takes whichever was timed fastest at
+    # load, so small-batch decodes go compact: single-stream decode 1.4-2x faster
+    # (bench/README.md). "w8a8_int8": the same plus int8 x int8 for qkv/o/gate_up
+    # (activations quantized per token at run time, calibrated at load): ~10% shorter 16-
+    # and 64-sequence decode steps on AVX2. Accuracy, and why opt-in: quantization.py.
     quantization: Quantization = "none"
     block_size: int = 16
     # The KV cache takes kv_memory_fraction of the memory available once the weights are
