@@ -22,7 +22,6 @@ class PrepackedLinear(nn.Module):
 
     def __init__(self, dense: nn.Linear) -> None:
         super().__init__()
-        self.in_features, self.out_features = dense.in_features, dense.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense.weight.detach(), None)
         self.bias = dense.bias
 
