@@ -83,9 +83,11 @@ class _SlowAbove(nn.Module):
 
 
 class _Dense2ms(nn.Linear):
+    """No real product: a parallel matmul waits on a busy second core for milliseconds."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(0.002)
-        return super().forward(x)
+        return x.new_zeros(x.shape[0], self.out_features)
 
 
 def test_tune_routes_sends_each_step_size_to_the_kernel_that_ran_it_fastest() -> None:
