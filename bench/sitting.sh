@@ -6,6 +6,9 @@
 #
 #   LLAMA_SERVER=/tmp/peers/.../build/bin/llama-server bash bench/sitting.sh
 #
+# With COMPILE_MAX_BS=N each mode also runs with `--enable-torch-compile
+# --torch-compile-max-bs N` (as redserve-<mode>-compiled).
+#
 # Tables (markdown) and rows (JSON) land in $OUT (default /tmp/redserve-bench).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,10 +38,19 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
     wait_ready http://127.0.0.1:8080 && measure llama-server http://127.0.0.1:8080
     stop $pid
 fi
-for quantization in ${QUANTIZATIONS:-none int4 w8a8_int8}; do
-    .venv/bin/redserve up --port 30000 --quantization "$quantization" \
-        >"$OUT/redserve-$quantization.log" 2>&1 &
+serve() {  # name flags...
+    local name=$1
+    shift
+    .venv/bin/redserve up --port 30000 "$@" >"$OUT/$name.log" 2>&1 &
     pid=$!
-    wait_ready http://127.0.0.1:30000 && measure "redserve-$quantization" http://127.0.0.1:30000
+    wait_ready http://127.0.0.1:30000 && measure "$name" http://127.0.0.1:30000
     stop $pid
+}
+
+for quantization in ${QUANTIZATIONS:-none int4 w8a8_int8}; do
+    serve "redserve-$quantization" --quantization "$quantization"
+    if [ -n "${COMPILE_MAX_BS:-}" ]; then
+        serve "redserve-$quantization-compiled" --quantization "$quantization" \
+            --enable-torch-compile --torch-compile-max-bs "$COMPILE_MAX_BS"
+    fi
 done

@@ -1,6 +1,7 @@
 """Decode-step time of several `--quantization` modes, interleaved step by step in one process.
 
     python bench/steps.py --batch 16 --modes none int4 w8a8_int8
+    python bench/steps.py --batch 1 --modes none int4 --compile   # eager vs compiled
 
 On a noisy VM two runs of the same engine can differ by 30%; alternating the modes' steps
 lets them share the same noise. Each mode gets its own runner and `--batch` prompts of
@@ -27,10 +28,22 @@ from workers.scheduler.scheduler import Scheduler  # noqa: E402
 
 
 def engine(
-    model_path: str, quantization: str, prompts: list[list[int]], steps: int, dtype: str
+    model_path: str,
+    quantization: str,
+    prompts: list[list[int]],
+    steps: int,
+    dtype: str,
+    compile_max_bs: int = 0,
 ) -> tuple[TorchModelRunner, Scheduler]:
     blocks = len(prompts) * -(-(len(prompts[0]) + steps + 16) // 16)
-    runner = TorchModelRunner.load(model_path, blocks, 16, dtype, quantization=quantization)
+    runner = TorchModelRunner.load(
+        model_path,
+        blocks,
+        16,
+        dtype,
+        quantization=quantization,
+        torch_compile_max_bs=compile_max_bs,
+    )
     return runner, engine_core(runner, prompts, steps)
 
 
@@ -49,11 +62,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--compile", action="store_true", help="each mode eager and torch.compile'd (compiled.py)"
+    )
     args = parser.parse_args()
     model_path = resolve_model("")
     prompts = make_prompts(model_path, args.batch, args.input_len)
     total = 1 + args.warmup + args.steps  # the prefill, then decodes
-    engines = [engine(model_path, m, prompts, total, args.dtype) for m in args.modes]
+    variants = [(m, 0) for m in args.modes]
+    if args.compile:
+        variants += [(m, args.batch) for m in args.modes]
+    engines = [engine(model_path, m, prompts, total, args.dtype, bs) for m, bs in variants]
     for runner, core in engines:
         for _ in range(1 + args.warmup):
             step(runner, core)
@@ -67,10 +86,11 @@ def main() -> None:
         "| mode | batch | step ms p50 | step ms p10 | tok/s at p50 |",
         "|---|---:|---:|---:|---:|",
     ]
-    for mode, spent in zip(args.modes, times, strict=True):
+    for (mode, compiled), spent in zip(variants, times, strict=True):
         p50, p10 = statistics.median(spent), sorted(spent)[len(spent) // 10]
         ms = f"{p50 * 1e3:.1f} | {p10 * 1e3:.1f}"
-        lines.append(f"| {mode} | {args.batch} | {ms} | {args.batch / p50:.1f} |")
+        name = f"{mode} + torch.compile" if compiled else mode
+        lines.append(f"| {name} | {args.batch} | {ms} | {args.batch / p50:.1f} |")
     sys.stdout.write("\n".join(lines) + "\n")
 
 

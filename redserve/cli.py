@@ -43,6 +43,16 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
         QUANTIZATIONS,
         "int4: small CPU steps read int4 weights; w8a8_int8: also int8 x int8 where faster",
     ),
+    "--enable-torch-compile": (
+        "scheduler.enable_torch_compile",
+        bool,
+        "small decode steps run a torch.compile'd forward (compiled at start; needs g++)",
+    ),
+    "--torch-compile-max-bs": (
+        "scheduler.torch_compile_max_bs",
+        int,
+        "largest decode batch that runs compiled (default 1; each size compiles apart)",
+    ),
     "--kv-memory-fraction": (
         "scheduler.kv_memory_fraction",
         float,

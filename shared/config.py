@@ -64,6 +64,12 @@ class SchedulerSettings(BaseModel):
     # (activations quantized per token at run time, calibrated at load): ~10% shorter 16-
     # and 64-sequence decode steps on AVX2. Accuracy, and why opt-in: quantization.py.
     quantization: Quantization = "none"
+    # SGLang's flags: decode steps of up to torch_compile_max_bs sequences run a
+    # torch.compile'd forward (workers/scheduler/compiled.py), compiled at start (tens of
+    # seconds per batch size on 2 cores; needs g++). Single-stream decode steps ~20%
+    # shorter on CPU (bench/README.md). Off by default: startup cost, and a compiler.
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 1
     block_size: int = 16
     # The KV cache takes kv_memory_fraction of the memory available once the weights are
     # loaded (CPU: RAM within the cgroup limit; CUDA: free GPU memory), capped at

@@ -21,7 +21,7 @@ MAX_MEAN_LOGPROB_ERROR = 0.06
 
 def test_bf16_follows_the_fp32_greedy_trajectory(model_path: str, reference: Reference) -> None:
     bf16 = TorchModelRunner.load(model_path, 64, 16, dtype="bfloat16")
-    assert bf16.kv_cache.dtype == torch.bfloat16
+    assert bf16.kv_cache[0][0].dtype == torch.bfloat16
     result = agreement(reference, bf16)
     assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
     assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)

@@ -14,7 +14,12 @@ def test_child_process_env_round_trips_every_setting(monkeypatch: pytest.MonkeyP
         model="/models/x",
         api=ApiSettings(port=31234, api_keys=["k1", "k2"], served_model_name="m"),
         scheduler=SchedulerSettings(
-            worker_id="w", dtype="float32", quantization="int4", max_num_seqs=7
+            worker_id="w",
+            dtype="float32",
+            quantization="int4",
+            max_num_seqs=7,
+            enable_torch_compile=True,
+            torch_compile_max_bs=4,
         ),
     )
     for key, value in child_process_env(settings).items():
@@ -33,3 +38,12 @@ def test_quantization_flag_maps_onto_settings_and_rejects_unknown_methods(
         parser.parse_args(["up", "--quantization", "int3"])
     assert exit_info.value.code == 2
     assert "choose from 'none', 'int4'" in capsys.readouterr().err
+
+
+def test_torch_compile_flags_map_onto_settings() -> None:
+    parser = build_parser()
+    default = settings_from_args(parser.parse_args(["scheduler"])).scheduler
+    assert not default.enable_torch_compile
+    args = parser.parse_args(["up", "--enable-torch-compile", "--torch-compile-max-bs", "4"])
+    scheduler = settings_from_args(args).scheduler
+    assert scheduler.enable_torch_compile and scheduler.torch_compile_max_bs == 4

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,12 @@ class AttentionBatch:
     block_size: int
 
 
+# A layer's K and V caches, [kv_heads, slots, head_dim] each. Separate tensors, not views of
+# one: torch.compile (compiled.py) writes new tokens into a graph input in place, but a view
+# of a larger input makes it rebuild (copy) the whole base on every write.
+LayerCache = tuple[torch.Tensor, torch.Tensor]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -197,7 +204,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
@@ -207,7 +214,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k heads rotated in one go: half the ops per layer of rotating them apart.
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [kv_heads, slots, head_dim]
+        k_cache, v_cache = kv_cache  # [kv_heads, slots, head_dim] each
         k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
         out = self._attend(q, k_cache, v_cache, batch)
@@ -300,7 +307,7 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -325,10 +332,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(
-        self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor
+        self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache: Sequence[LayerCache]
     ) -> torch.Tensor:
-        """Final (normed) hidden states [T, hidden] of the new tokens; `kv_cache` is
-        [layers, 2, kv_heads, slots, head_dim]. `compute_logits` turns rows into logits."""
+        """Final (normed) hidden states [T, hidden] of the new tokens; `kv_cache` holds
+        each layer's K and V. `compute_logits` turns rows into logits."""
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)

@@ -20,10 +20,12 @@ from torch import nn
 
 from shared.protocol import SamplingParams
 from workers.scheduler.attention_tuning import AttentionChoice, choose_attention
+from workers.scheduler.compiled import CompiledDecode
 from workers.scheduler.llama import (
     Attention,
     AttentionBatch,
     AttentionGroup,
+    LayerCache,
     LlamaForCausalLM,
     ModelArgs,
     load_model,
@@ -152,9 +154,9 @@ def num_kv_blocks_for(
 
 class TorchModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int) -> None:
-        """Allocates the KV cache: [layers, 2 (K, V), kv_heads, num_kv_blocks * block_size
-        slots, head_dim] (head-major, so a block of one head is one contiguous row to
-        gather), zeroed so that padding slots never carry NaNs."""
+        """Allocates the KV cache: per layer a K and a V tensor of [kv_heads, num_kv_blocks
+        * block_size slots, head_dim] (head-major, so a block of one head is one contiguous
+        row to gather), zeroed so that padding slots never carry NaNs."""
         self.model = model
         self.block_size = block_size
         # Masked until min_new_tokens (the scheduler's finish check has the same ids).
@@ -165,15 +167,15 @@ class TorchModelRunner:
         # bf16/fp16 decodes on CPU may take Attention._attend_decodes (`use_attention`);
         # fp32 keeps SDPA (the exact reference), and so does CUDA.
         self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
-        self.kv_cache = torch.zeros(
-            args.num_layers,
-            2,
-            args.num_kv_heads,
-            num_kv_blocks * block_size,
-            args.head_dim,
-            dtype=weight.dtype,
-            device=weight.device,
-        )
+        shape = (args.num_kv_heads, num_kv_blocks * block_size, args.head_dim)
+        self.kv_cache: list[LayerCache] = [
+            (
+                torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+                torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+            )
+            for _ in range(args.num_layers)
+        ]
+        self.compiled: CompiledDecode | None = None
 
     @classmethod
     def load(
@@ -186,11 +188,13 @@ class TorchModelRunner:
         num_threads: int = 0,
         kv_memory_fraction: float = 0.0,
         quantization: str = "none",
+        torch_compile_max_bs: int = 0,
     ) -> TorchModelRunner:
         """Loads the weights (plus compact copies with `quantization`, see quantization.py),
         then sizes the KV cache: at most `num_kv_blocks` blocks and at most
         `kv_memory_fraction` of the memory left once the weights are in (0 = no bound from
-        that one)."""
+        that one). With `torch_compile_max_bs`, decode steps of up to that many sequences
+        run compiled (compiled.py), compiled here."""
         if num_threads:
             torch.set_num_threads(num_threads)
         if torch.device(device).type == "cpu" and not keep_freed_memory():
@@ -218,11 +222,14 @@ class TorchModelRunner:
         if runner.matmul_decodes:
             attention = next(m for m in model.modules() if isinstance(m, Attention))
             runner.use_attention(choose_attention(attention, weight.dtype))
+        if torch_compile_max_bs:
+            runner.compiled = CompiledDecode(model, torch_compile_max_bs)
+            runner.compiled.warm_up(runner)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s on %s)",
             num_kv_blocks,
             block_size,
-            runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**20,
+            num_kv_blocks * bytes_per_block / 2**20,
             dtype,
             device,
         )
@@ -263,6 +270,8 @@ class TorchModelRunner:
             device=self.device,
         )
         batch = self._prepare(seqs)
+        if self.compiled is not None and self.compiled.takes(seqs):
+            return self.compiled(input_ids, batch, self.kv_cache), batch
         return self.model(input_ids, batch, self.kv_cache), batch
 
     def _outputs(

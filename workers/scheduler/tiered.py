@@ -22,6 +22,9 @@ from torch import nn
 # size >= n, and steps above the last one always take the dense weights.
 TUNED_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 DENSE = "dense"
+# The route index of a step of n tokens (n <= 64), as a table: torch.compile traces a
+# lookup, not bisect (a C builtin it cannot see into, so it would break the graph).
+_TIER_OF = tuple(bisect.bisect_left(TUNED_TOKENS, n) for n in range(TUNED_TOKENS[-1] + 1))
 
 
 class TieredLinear(nn.Module):
@@ -41,8 +44,8 @@ class TieredLinear(nn.Module):
         self.route = [next(iter(kernels))] * len(TUNED_TOKENS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tier = bisect.bisect_left(TUNED_TOKENS, x.shape[0])
-        return self.run(self.route[tier] if tier < len(TUNED_TOKENS) else DENSE, x)
+        tokens = x.shape[0]
+        return self.run(self.route[_TIER_OF[tokens]] if tokens < len(_TIER_OF) else DENSE, x)
 
     def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         if kernel == DENSE:

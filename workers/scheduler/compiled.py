@@ -1,0 +1,92 @@
+"""Decode steps through torch.compile (`--enable-torch-compile`, `--torch-compile-max-bs`, as
+SGLang names them).
+
+A decode step of a few sequences on 2 CPU cores is only partly its matmuls: eager PyTorch
+dispatches ~1,900 small ops per step of the default model (norms, RoPE, cache writes,
+views, SiLU), which cost ~5 ms a step on a Sapphire Rapids VM and ~10 ms on an AVX2 one.
+Inductor fuses them into a few C++ loops per layer; the matmuls and attention stay torch's
+own kernels (the same packed int4/int8 and oneDNN calls as eager). bench/README.md has the
+numbers.
+
+One graph per batch size from 1 to `max_batch`, for steps where every sequence brings one
+token (decodes); the context length is a dynamic dimension, so one graph serves every
+length. Prefill chunks, mixed steps and larger batches stay eager. Compiling takes tens of
+seconds per batch size on 2 cores, so `warm_up` does it at load, before the scheduler takes
+jobs: no request waits on the compiler. Needs a C++ compiler (g++) at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+import torch
+from torch._dynamo import config as dynamo_config
+
+from shared.protocol import SamplingParams
+from workers.scheduler.llama import AttentionBatch, LayerCache, LlamaForCausalLM
+from workers.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from workers.scheduler.model_runner import TorchModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledDecode:
+    """`model.forward` compiled for decode steps of up to `max_batch` sequences."""
+
+    def __init__(self, model: LlamaForCausalLM, max_batch: int) -> None:
+        if max_batch < 1:
+            raise ValueError(f"torch_compile_max_bs must be at least 1, not {max_batch}")
+        if shutil.which("g++") is None:
+            raise RuntimeError("--enable-torch-compile needs a C++ compiler (g++) on PATH")
+        self.max_batch = max_batch
+        self.calls = 0  # steps that ran compiled (tests and logs read it)
+        self._forward: Callable[..., torch.Tensor] = torch.compile(model.forward)
+
+    def takes(self, seqs: Seq[Sequence]) -> bool:
+        return len(seqs) <= self.max_batch and all(seq.num_new_tokens == 1 for seq in seqs)
+
+    def __call__(
+        self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache: Seq[LayerCache]
+    ) -> torch.Tensor:
+        for group in batch.groups:  # the context length: [kv_heads * blocks] rows, [.., Lk]
+            torch._dynamo.maybe_mark_dynamic(group.kv_rows, 0)
+            torch._dynamo.maybe_mark_dynamic(group.mask, 3)
+            if group.score_bias is not None:
+                torch._dynamo.maybe_mark_dynamic(group.score_bias, 3)
+        # Every batch size is a graph of its own (static shapes compile to tighter loops),
+        # so sizes are never made dynamic, and each may have its graph.
+        with dynamo_config.patch(
+            automatic_dynamic_shapes=False, recompile_limit=self.max_batch + 8
+        ):
+            hidden = self._forward(input_ids, batch, kv_cache)
+        self.calls += 1
+        return hidden
+
+    def warm_up(self, runner: TorchModelRunner) -> None:
+        """Compiles every batch size by running decode steps over the first cache blocks
+        (before any request holds a block, so the K/V it writes there is never read),
+        each size at two context lengths so that the length is compiled as dynamic."""
+        num_blocks = min(3, runner.num_kv_blocks)
+        for size in range(1, self.max_batch + 1):
+            started = time.monotonic()
+            for blocks in sorted({max(1, num_blocks - 1), num_blocks}):
+                seqs = [_warm_up_sequence(i, blocks, runner.block_size) for i in range(size)]
+                runner.forward(seqs)
+            logger.info(
+                "compiled decode steps of %d sequences in %.1fs", size, time.monotonic() - started
+            )
+
+
+def _warm_up_sequence(index: int, num_blocks: int, block_size: int) -> Sequence:
+    length = max(2, num_blocks * block_size - index % block_size)
+    seq = Sequence(f"warm-up-{index}", [0] * length, SamplingParams(max_new_tokens=1))
+    seq.block_table = list(range(num_blocks))
+    seq.num_computed_tokens, seq.num_new_tokens = length - 1, 1
+    return seq
