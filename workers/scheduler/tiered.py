@@ -55,34 +55,44 @@ class TieredLinear(nn.Module):
 
 
 @torch.inference_mode()
-def tune_routes(model: nn.Module, repeats: int = 3) -> dict[str, list[str]]:
+def tune_routes(model: nn.Module, rounds: int = 5) -> dict[str, list[str]]:
     """Routes every tuned step size of each `TieredLinear` in `model` to the kernel that ran
     it fastest here. Projections with the same kernels are timed together, one pass over
     all of them as a forward makes it (so their weights come from memory, not cache), the
-    kernels' passes interleaved, best of `repeats`. Returns the routes by kernel set."""
+    kernels' passes interleaved, best of `rounds`. A round times every size once, so a
+    size's samples lie seconds apart: `redserve up` starts the api beside the scheduler, and
+    its imports kept a core busy through all of a size's back-to-back samples once (int4 at
+    1 token timed slower than fp32, which then served every single-stream step at 2x the
+    time). Returns the routes by kernel set."""
     groups: dict[tuple[str, ...], list[TieredLinear]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, TieredLinear):
             groups[tuple(module.kernels)].append(module)
     routes = {}
     for names, layers in groups.items():
-        route = [_fastest(layers, [*names, DENSE], tokens, repeats) for tokens in TUNED_TOKENS]
+        kernels = [*names, DENSE]
+        best = {(tokens, kernel): float("inf") for tokens in TUNED_TOKENS for kernel in kernels}
+        for _ in range(rounds):
+            for tokens in TUNED_TOKENS:
+                for kernel, spent in _time_kernels(layers, kernels, tokens).items():
+                    best[tokens, kernel] = min(best[tokens, kernel], spent)
+        route = [min(kernels, key=lambda k, t=tokens: best[t, k]) for tokens in TUNED_TOKENS]
         for layer in layers:
             layer.route = list(route)
         routes[f"{'/'.join(names)} x{len(layers)}"] = route
     return routes
 
 
-def _fastest(layers: list[TieredLinear], kernels: list[str], tokens: int, repeats: int) -> str:
+def _time_kernels(layers: list[TieredLinear], kernels: list[str], tokens: int) -> dict[str, float]:
+    """Seconds one pass over `layers` takes with each kernel at `tokens` tokens."""
     inputs = {
         (layer.in_features, layer.dtype): torch.randn(tokens, layer.in_features).to(layer.dtype)
         for layer in layers
     }
-    best = dict.fromkeys(kernels, float("inf"))
-    for _ in range(repeats):
-        for kernel in kernels:
-            started = time.perf_counter()
-            for layer in layers:
-                layer.run(kernel, inputs[layer.in_features, layer.dtype])
-            best[kernel] = min(best[kernel], time.perf_counter() - started)
-    return min(best, key=best.__getitem__)
+    spent = {}
+    for kernel in kernels:
+        started = time.perf_counter()
+        for layer in layers:
+            layer.run(kernel, inputs[layer.in_features, layer.dtype])
+        spent[kernel] = time.perf_counter() - started
+    return spent
