@@ -66,8 +66,9 @@ class SchedulerSettings(BaseModel):
     quantization: Quantization = "none"
     # SGLang's flags: decode steps of up to torch_compile_max_bs sequences run a
     # torch.compile'd forward (workers/scheduler/compiled.py), compiled at start (tens of
-    # seconds per batch size on 2 cores; needs g++). Single-stream decode steps ~20%
-    # shorter on CPU (bench/README.md). Off by default: startup cost, and a compiler.
+    # seconds per batch size on 2 cores; needs g++). Single-stream decode steps 15-25%
+    # shorter on 2 AVX2 cores (bench/README.md). Off by default: the startup cost, and it
+    # needs a compiler.
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 1
     block_size: int = 16

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from shared.protocol import SamplingParams
 from tests.model.test_model_runner import run_core
@@ -57,13 +58,14 @@ def test_warm_up_compiles_every_batch_size_at_load(
     assert eager.compiled is None
     assert compiled.compiled is not None and compiled.compiled.max_batch == 2
     assert compiled.compiled.calls == 4  # sizes 1 and 2, two context lengths each
+    assert counters["stats"]["unique_graphs"] >= 2  # the counter the other tests watch
 
 
 def test_compiled_decode_steps_give_the_eager_hidden_states(
     runners: tuple[TorchModelRunner, TorchModelRunner],
 ) -> None:
     prompts = [[5, 9, 2, 7] * 5, [3, 1, 4, 1, 5, 9, 2, 6, 5]]  # 20 and 9 tokens
-    hidden = {}
+    hidden, graphs = {}, counters["stats"]["unique_graphs"]
     for name, runner in zip(("eager", "compiled"), runners, strict=True):
         seqs = []
         for i, prompt in enumerate(prompts):
@@ -82,6 +84,7 @@ def test_compiled_decode_steps_give_the_eager_hidden_states(
             steps.append(runner.forward(batch)[0])
         hidden[name] = torch.cat(steps)
     torch.testing.assert_close(hidden["compiled"], hidden["eager"], rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs  # contexts of 1-3 blocks, no compile
 
 
 def test_compiled_greedy_tokens_equal_eager_through_the_scheduler(
@@ -96,7 +99,7 @@ def test_compiled_greedy_tokens_equal_eager_through_the_scheduler(
     ]
     eager, compiled = runners
     assert compiled.compiled is not None
-    before = compiled.compiled.calls
+    before, graphs = compiled.compiled.calls, counters["stats"]["unique_graphs"]
     config = {"num_kv_blocks": NUM_KV_BLOCKS, "vocab_size": 128}
     outputs = {
         name: [seq.output_ids for seq in run_core(runner, prompts, sampling, [0, 0, 6], **config)]
@@ -105,3 +108,5 @@ def test_compiled_greedy_tokens_equal_eager_through_the_scheduler(
     assert outputs["compiled"] == outputs["eager"]
     assert [len(o) for o in outputs["eager"]] == [40, 24, 30]
     assert compiled.compiled.calls - before > 20
+    # Every context length ran on the graphs compiled at load: nothing compiled while serving.
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -3,10 +3,10 @@ SGLang names them).
 
 A decode step of a few sequences on 2 CPU cores is only partly its matmuls: eager PyTorch
 dispatches ~1,900 small ops per step of the default model (norms, RoPE, cache writes,
-views, SiLU), which cost ~5 ms a step on a Sapphire Rapids VM and ~10 ms on an AVX2 one.
-Inductor fuses them into a few C++ loops per layer; the matmuls and attention stay torch's
-own kernels (the same packed int4/int8 and oneDNN calls as eager). bench/README.md has the
-numbers.
+views, SiLU): ~5 ms of a 15 ms int4 step on a Sapphire Rapids VM, ~20 ms of a 34 ms one
+on an AVX2 VM. Inductor fuses them into a few C++ loops per layer; the matmuls and attention
+stay torch's own kernels (the same packed int4/int8 and oneDNN calls as eager). On the AVX2
+VM: int4 steps 25.6 vs 33.9 ms, fp32 52.8 vs 61.9 (bench/README.md).
 
 One graph per batch size from 1 to `max_batch`, for steps where every sequence brings one
 token (decodes); the context length is a dynamic dimension, so one graph serves every
@@ -46,7 +46,7 @@ class CompiledDecode:
         if shutil.which("g++") is None:
             raise RuntimeError("--enable-torch-compile needs a C++ compiler (g++) on PATH")
         self.max_batch = max_batch
-        self.calls = 0  # steps that ran compiled (tests and logs read it)
+        self.calls = 0  # steps that ran compiled
         self._forward: Callable[..., torch.Tensor] = torch.compile(model.forward)
 
     def takes(self, seqs: Seq[Sequence]) -> bool:
@@ -60,8 +60,8 @@ class CompiledDecode:
             torch._dynamo.maybe_mark_dynamic(group.mask, 3)
             if group.score_bias is not None:
                 torch._dynamo.maybe_mark_dynamic(group.score_bias, 3)
-        # Every batch size is a graph of its own (static shapes compile to tighter loops),
-        # so sizes are never made dynamic, and each may have its graph.
+        # A graph per batch size (static shapes compile to tighter loops): dynamo must not
+        # turn the batch dimension dynamic on its own, and may keep one graph per size.
         with dynamo_config.patch(
             automatic_dynamic_shapes=False, recompile_limit=self.max_batch + 8
         ):
