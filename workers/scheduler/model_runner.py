@@ -103,6 +103,11 @@ def available_memory(device: torch.device) -> int:
 # 16 seqs 178 vs 298 us, 64 seqs 0.9 vs 1.9 ms.
 DECODE_MATMUL_MIN_SEQS = 8
 
+# Contexts are gathered as at least this many blocks (the padding masked): a 1-block
+# context makes a dimension of size 1, which torch.compile specializes, so a step with a
+# prompt of up to one block would compile a graph of its own while serving (compiled.py).
+MIN_GATHERED_BLOCKS = 2
+
 _CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
     ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
     ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
@@ -301,7 +306,7 @@ class TorchModelRunner:
         seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=device), q_lens)
         rows = torch.arange(len(seq_of_token), device=device)
         positions = starts[seq_of_token] + rows - first_row[seq_of_token]
-        max_blocks = max(len(seq.block_table) for seq in seqs)
+        max_blocks = max(MIN_GATHERED_BLOCKS, *(len(seq.block_table) for seq in seqs))
         tables = torch.tensor(
             [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs],
             device=device,
@@ -337,7 +342,7 @@ class TorchModelRunner:
         start, q_len = starts[index], q_lens[index]
         kv_len = start + q_len
         max_q = int(q_len.max())
-        blocks = tables[index, : -(-int(kv_len.max()) // bs)]
+        blocks = tables[index, : max(MIN_GATHERED_BLOCKS, -(-int(kv_len.max()) // bs))]
         kv_heads = self.model.args.num_kv_heads
         heads = torch.arange(kv_heads, device=device).view(-1, 1) * self.num_kv_blocks
         # Row j of sequence b is position start_b + j; padding rows still see key 0, so no

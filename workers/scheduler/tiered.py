@@ -71,12 +71,12 @@ def tune_routes(model: nn.Module, rounds: int = 5) -> dict[str, list[str]]:
     routes = {}
     for names, layers in groups.items():
         kernels = [*names, DENSE]
-        best = {(tokens, kernel): float("inf") for tokens in TUNED_TOKENS for kernel in kernels}
+        best = {tokens: dict.fromkeys(kernels, float("inf")) for tokens in TUNED_TOKENS}
         for _ in range(rounds):
-            for tokens in TUNED_TOKENS:
+            for tokens, fastest in best.items():
                 for kernel, spent in _time_kernels(layers, kernels, tokens).items():
-                    best[tokens, kernel] = min(best[tokens, kernel], spent)
-        route = [min(kernels, key=lambda k, t=tokens: best[t, k]) for tokens in TUNED_TOKENS]
+                    fastest[kernel] = min(fastest[kernel], spent)
+        route = [min(fastest, key=fastest.__getitem__) for fastest in best.values()]
         for layer in layers:
             layer.route = list(route)
         routes[f"{'/'.join(names)} x{len(layers)}"] = route
