@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from shared.protocol import SamplingParams
+from tests.model.test_families import SMALL
 from tests.model.test_model_runner import run_core
 from workers.scheduler.model_runner import TorchModelRunner
 from workers.scheduler.sequence import Sequence
@@ -24,17 +25,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
-    config = Qwen3Config(  # q/k norms: the most ops per layer of our families
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
+    # q/k norms: the most ops per layer of our families; contexts of up to 256 tokens.
+    small = {**SMALL, "max_position_embeddings": 256}
+    config = Qwen3Config(**small, head_dim=16, tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
