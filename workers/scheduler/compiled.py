@@ -64,28 +64,27 @@ class CompiledDecode:
             torch._dynamo.maybe_mark_dynamic(group.mask, 3)
             if group.score_bias is not None:
                 torch._dynamo.maybe_mark_dynamic(group.score_bias, 3)
-        # A graph per batch size (static shapes compile to tighter loops): dynamo must not
-        # turn the batch dimension dynamic on its own, and may keep one graph per size.
-        with dynamo_config.patch(
-            automatic_dynamic_shapes=False, recompile_limit=self.max_batch + 8
-        ):
-            hidden = self._forward(input_ids, batch, kv_cache)
         self.calls += 1
-        return hidden
+        return self._forward(input_ids, batch, kv_cache)
 
     def warm_up(self, runner: TorchModelRunner) -> None:
         """Compiles every batch size by running decode steps over the first cache blocks
         (before any request holds a block, so the K/V it writes there is never read),
         each size at two context lengths so that the length is compiled as dynamic."""
         num_blocks = min(3, runner.num_kv_blocks)
-        for size in range(1, self.max_batch + 1):
-            started = time.monotonic()
-            for blocks in sorted({max(1, num_blocks - 1), num_blocks}):
-                seqs = [_warm_up_sequence(i, blocks, runner.block_size) for i in range(size)]
-                runner.forward(seqs)
-            logger.info(
-                "compiled decode steps of %d sequences in %.1fs", size, time.monotonic() - started
-            )
+        # A graph per batch size (static shapes compile to tighter loops): dynamo must not
+        # turn the batch dimension dynamic on its own, and may keep one graph per size.
+        # Compiling happens only here, so the settings need not wrap the steps that serve.
+        with dynamo_config.patch(
+            automatic_dynamic_shapes=False, recompile_limit=self.max_batch + 8
+        ):
+            for size in range(1, self.max_batch + 1):
+                started = time.monotonic()
+                for blocks in sorted({max(1, num_blocks - 1), num_blocks}):
+                    seqs = [_warm_up_sequence(i, blocks, runner.block_size) for i in range(size)]
+                    runner.forward(seqs)
+                elapsed = time.monotonic() - started
+                logger.info("compiled decode steps of %d sequences in %.1fs", size, elapsed)
 
 
 def _warm_up_sequence(index: int, num_blocks: int, block_size: int) -> Sequence:
