@@ -58,11 +58,12 @@ class SchedulerSettings(BaseModel):
     # reference, matching HF fp32 greedy outputs token for token).
     dtype: str = "auto"
     # "int4": int4 copies of the decoder's projections and an int8 LM head beside the dense
-    # weights (CPU); each step size up to 64 tokens takes whichever was timed fastest at
-    # load, so small-batch decodes go compact: single-stream decode 1.4-2x faster
-    # (bench/README.md). "w8a8_int8": the same plus int8 x int8 for qkv/o/gate_up
-    # (activations quantized per token at run time, calibrated at load): ~10% shorter 16-
-    # and 64-sequence decode steps on AVX2. Accuracy, and why opt-in: quantization.py.
+    # weights (CPU); each step size takes whichever was timed fastest at load, so
+    # small-batch decodes go compact: single-stream decode 1.4-2x faster (bench/README.md).
+    # "w8a8_int8": the same plus int8 x int8 for qkv/o/gate_up and the head (activations
+    # quantized per token at run time, calibrated at load), which wins from ~16 tokens a
+    # step up to whole prefill chunks where the CPU has VNNI (Ice Lake and newer).
+    # Accuracy, and why opt-in: quantization.py.
     quantization: Quantization = "none"
     # SGLang's flags: decode steps of up to torch_compile_max_bs sequences run a
     # torch.compile'd forward (workers/scheduler/compiled.py), compiled at start (tens of

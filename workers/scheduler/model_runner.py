@@ -368,8 +368,8 @@ class TorchModelRunner:
 def projection_input_max(
     model: LlamaForCausalLM, token_ids: list[int], block_size: int
 ) -> dict[nn.Module, torch.Tensor]:
-    """Per input channel, the largest |value| each decoder projection takes in one prefill
-    of `token_ids`: the calibration run of `--quantization w8a8_int8`."""
+    """Per input channel, the largest |value| each decoder projection and the LM head take
+    in one prefill of `token_ids`: the calibration run of `--quantization w8a8_int8`."""
     runner = TorchModelRunner(model, -(-len(token_ids) // block_size), block_size)
     seq = Sequence("calibration", token_ids, SamplingParams(max_new_tokens=1))
     seq.block_table = list(range(runner.num_kv_blocks))
@@ -385,8 +385,9 @@ def projection_input_max(
         if isinstance(module, nn.Linear)
     ]
     try:
-        runner.forward([seq])
+        hidden, _ = runner.forward([seq])
     finally:
         for handle in handles:
             handle.remove()
+    input_max[model.lm_head] = hidden.detach().abs().amax(0).float()
     return input_max

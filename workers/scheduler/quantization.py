@@ -72,7 +72,7 @@ def quantize_model(
 ) -> int:
     """Wraps the decoder's projections (kernel "int4") and the LM head ("int8") in
     `TieredLinear`; for "w8a8_int8" the projections whose inputs come from a norm or
-    attention (qkv, o, gate_up) get a "w8a8" kernel too, which needs `input_max`
+    attention (qkv, o, gate_up, the head) get a "w8a8" kernel too, which needs `input_max`
     (`projection_input_max` of a calibration run, by projection). Returns the number of
     projections wrapped. Shapes the packed kernels cannot take stay dense (see `fits`).
     Routes stay untuned: `tune_routes` (tiered.py) measures them."""
@@ -103,7 +103,10 @@ def quantize_model(
     head = model.lm_head
     assert isinstance(head, nn.Linear)
     if fits(head, bits=8):
-        model.lm_head = TieredLinear(head, {"int8": Int8Weights(head.weight)})
+        head_kernels: dict[str, nn.Module] = {"int8": Int8Weights(head.weight)}
+        if input_max is not None:
+            head_kernels["w8a8"] = DynamicInt8(head.weight, input_max[head])
+        model.lm_head = TieredLinear(head, head_kernels)
         wrapped += 1
     return wrapped
 
@@ -162,9 +165,12 @@ def calibration_ids(model_path: str) -> list[int]:
     return list(AutoTokenizer.from_pretrained(model_path)(CALIBRATION_TEXT)["input_ids"])
 
 
-# w8a8_int8: which projections take int8 activations. down_proj's input (silu(gate) * up)
-# has the widest outliers: W8A8 there alone cost 22 of 160 top-1 agreements with fp32 (the
-# other three together, with the int8 head: 5); it stays int4/dense.
+# w8a8_int8: which decoder projections take int8 activations (and the LM head, whose
+# input comes from the final norm). down_proj's input (silu(gate) * up) has the widest
+# outliers: W8A8 there alone cost 22 of 160 top-1 agreements with fp32 (the other three
+# together, with the int8 head: 5); it stays int4/dense. The head in W8A8 costs no more
+# than int8 weights (158/160 either way on 2 Ice Lake cores) and runs 3.4x faster at 16
+# rows (4.0 vs 13.8 ms; fp32 29.5) with VNNI.
 DYNAMIC_INT8_PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj"})
 # Input channels whose calibrated range is widest stay out of the int8 product (computed
 # in the model's dtype), and SmoothQuant moves part of the rest of the activations' range
@@ -210,7 +216,7 @@ class DynamicInt8(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.float() * self.inverse_smooth
-        row_max = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True)
-        row_max = row_max.clamp_(min=1e-6)
+        # abs().amax(): 10x faster than vector_norm(inf) here (256 rows: 31 vs 306 us).
+        row_max = rows.abs().amax(-1, keepdim=True).clamp_(min=1e-6)
         out = torch.ops.quantized.linear_dynamic(rows / row_max, self.packed, True).mul_(row_max)
         return torch.addmm(out.to(x.dtype), x.index_select(-1, self.outliers), self.outlier_weight)
