@@ -21,7 +21,7 @@ from torch import nn
 # Step sizes that get a measured route; a step of n tokens takes the route of the smallest
 # size >= n, and steps above the last one take the last one's: from 256 tokens on every
 # kernel is compute-bound, so their order no longer changes with the size (prefill chunks
-# of 512-2048 tokens: int8 x int8 1.1-1.4x faster than fp32 on 2 Ice Lake cores, where at 256
+# of 512-2048 tokens: int8 x int8 1.1-1.2x faster than fp32 on 2 Ice Lake cores, where at 256
 # it was 1.4x; int4 2.2-2.5x slower throughout).
 TUNED_TOKENS = (1, 2, 4, 8, 16, 32, 64, 256)
 DENSE = "dense"
