@@ -35,7 +35,9 @@ def test_the_faster_sdpa_dtype_wins_and_the_matmuls_beat_a_slow_sdpa(
     sdpa = F.scaled_dot_product_attention
 
     def slowed(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        time.sleep(0.004 if query.dtype == slow_dtype else 0.002)  # the matmuls: ~0.1 ms
+        # a 10x gap: the test must hold while something else loads the machine (a 2 ms gap
+        # did not, with a build on the other core)
+        time.sleep(0.02 if query.dtype == slow_dtype else 0.002)  # the matmuls: ~0.1 ms
         return sdpa(query, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", slowed)
