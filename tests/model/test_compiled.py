@@ -14,6 +14,7 @@ from shared.protocol import SamplingParams
 from tests.model.test_families import SMALL
 from tests.model.test_model_runner import run_core
 from workers.scheduler.model_runner import TorchModelRunner
+from workers.scheduler.prepacked import PrepackedLinear, can_prepack
 from workers.scheduler.sequence import Sequence
 
 BLOCK_SIZE = 16
@@ -103,3 +104,32 @@ def test_compiled_greedy_tokens_equal_eager_through_the_scheduler(
     assert compiled.compiled.calls - before > 20
     # Every context length ran on the graphs compiled at load: nothing compiled while serving.
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.skipif(
+    not can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 on this CPU"
+)
+def test_bf16_compiled_decode_keeps_the_prepacked_projections(folder: Path) -> None:
+    """bf16 projections are prepacked (prepacked.py); Inductor's own lowering of that call
+    wanted frozen weights and failed at load. Compiled steps must run them and give the
+    eager bf16 hidden states."""
+    eager = TorchModelRunner.load(str(folder), NUM_KV_BLOCKS, BLOCK_SIZE, dtype="bfloat16")
+    compiled = TorchModelRunner.load(
+        str(folder), NUM_KV_BLOCKS, BLOCK_SIZE, dtype="bfloat16", torch_compile_max_bs=1
+    )
+    assert isinstance(compiled.model.lm_head, PrepackedLinear)
+    hidden = []
+    for runner in (eager, compiled):
+        seq = Sequence("r", [5, 9, 2, 7] * 5, SamplingParams(temperature=0))
+        seq.block_table, seq.num_new_tokens = [0, 1, 2], 20
+        runner.forward([seq])
+        steps = []
+        for token in range(8):
+            seq.num_computed_tokens += seq.num_new_tokens
+            seq.append_token(token)
+            seq.num_new_tokens = 1
+            steps.append(runner.forward([seq])[0].float())
+        hidden.append(torch.cat(steps))
+    assert compiled.compiled is not None and compiled.compiled.calls == 2 + 8
+    error = (hidden[1] - hidden[0]).abs().max() / hidden[0].abs().max()
+    assert error < 0.03, error

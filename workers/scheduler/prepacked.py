@@ -9,12 +9,31 @@ reordered (`_reorder_linear_weight`, what inductor's weight prepacking does) and
 same bits as `F.linear` (tests/model/test_families.py). Measured on 2 Sapphire Rapids
 cores (AMX, torch 2.13, bench/kernels.py): 120 projections at 1 token 12.7 vs 21.7 ms, at
 64 tokens 26.1 vs 38.6 ms. fp32 stays on `F.linear` (MKL): it is the exact reference.
+
+The call is a custom op (`redserve::prepacked_linear`) so that `torch.compile` keeps it
+opaque: Inductor's own lowering of `_linear_pointwise` wants the packed weight as a frozen
+graph constant and failed on a module attribute (`--enable-torch-compile` in bf16 died at
+load). Eager steps call the op directly: the custom op's dispatch costs ~3.5 us a call.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+@torch.library.custom_op("redserve::prepacked_linear", mutates_args=())
+def prepacked_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@prepacked_linear.register_fake
+def _(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 class PrepackedLinear(nn.Module):
@@ -24,8 +43,11 @@ class PrepackedLinear(nn.Module):
         super().__init__()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense.weight.detach(), None)
         self.bias = dense.bias
+        self.out_features = dense.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return prepacked_linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
