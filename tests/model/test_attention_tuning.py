@@ -4,14 +4,19 @@ purpose in one dtype, and the choice must follow."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.scheduler import attention_tuning
 from workers.scheduler.attention_tuning import choose_attention
 from workers.scheduler.llama import Attention, ModelArgs
+from workers.scheduler.paged_decode import kernel_library, paged_decode
+
+sdpa_of_torch = F.scaled_dot_product_attention
 
 ARGS = ModelArgs(
     vocab_size=64,
@@ -46,3 +51,24 @@ def test_the_faster_sdpa_dtype_wins_and_the_matmuls_beat_a_slow_sdpa(
     assert choice.upcast_sdpa is (slow_dtype == torch.bfloat16)
     assert attention.upcast_sdpa is choice.upcast_sdpa
     assert choice.matmul_decodes
+
+
+@pytest.mark.skipif(kernel_library() is None, reason="no C compiler: no paged decode kernel")
+@pytest.mark.parametrize("slow", ["kernel", "torch paths"])
+def test_the_paged_kernel_serves_decodes_only_when_it_ran_fastest(
+    monkeypatch: pytest.MonkeyPatch, slow: str
+) -> None:
+    def slowed(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+            time.sleep(0.02)
+            return call(*args, **kwargs)
+
+        return run
+
+    if slow == "kernel":
+        monkeypatch.setattr(attention_tuning, "paged_decode", slowed(paged_decode))
+    else:
+        monkeypatch.setattr(F, "scaled_dot_product_attention", slowed(sdpa_of_torch))
+        monkeypatch.setattr(Attention, "_attend_decodes", slowed(Attention._attend_decodes))
+    choice = choose_attention(Attention(ARGS), torch.bfloat16)
+    assert choice.paged_decodes is (slow == "torch paths")

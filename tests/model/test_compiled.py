@@ -13,7 +13,10 @@ from torch._dynamo.utils import counters
 from shared.protocol import SamplingParams
 from tests.model.test_families import SMALL
 from tests.model.test_model_runner import run_core
+from workers.scheduler import model_runner, paged_decode
+from workers.scheduler.attention_tuning import AttentionChoice
 from workers.scheduler.model_runner import TorchModelRunner
+from workers.scheduler.paged_decode import kernel_library
 from workers.scheduler.prepacked import PrepackedLinear, can_prepack
 from workers.scheduler.sequence import Sequence
 
@@ -109,17 +112,29 @@ def test_compiled_greedy_tokens_equal_eager_through_the_scheduler(
 @pytest.mark.skipif(
     not can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 on this CPU"
 )
-def test_bf16_compiled_decode_keeps_the_prepacked_projections(folder: Path) -> None:
+@pytest.mark.parametrize("paged", [False, True])
+def test_bf16_compiled_decode_keeps_the_prepacked_projections_and_the_kernel(
+    folder: Path, paged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16 projections are prepacked (prepacked.py); Inductor's own lowering of that call
-    wanted frozen weights and failed at load. Compiled steps must run them and give the
-    eager bf16 hidden states."""
+    wanted frozen weights and failed at load. Compiled steps must run them, and the paged
+    decode kernel where chosen (a custom op to Inductor), and give the eager bf16 hidden
+    states."""
+    if paged and kernel_library() is None:
+        pytest.skip("no C compiler here: the paged decode kernel is not built")
+    choice = AttentionChoice(upcast_sdpa=True, matmul_decodes=True, paged_decodes=paged)
+    monkeypatch.setattr(model_runner, "choose_attention", lambda *_: choice)
     eager = TorchModelRunner.load(str(folder), NUM_KV_BLOCKS, BLOCK_SIZE, dtype="bfloat16")
     compiled = TorchModelRunner.load(
         str(folder), NUM_KV_BLOCKS, BLOCK_SIZE, dtype="bfloat16", torch_compile_max_bs=1
     )
     assert isinstance(compiled.model.lm_head, PrepackedLinear)
+    kernel_runs: list[int] = []
+    run = paged_decode._run
+    monkeypatch.setattr(paged_decode, "_run", lambda *a: kernel_runs.append(1) or run(*a))
     hidden = []
     for runner in (eager, compiled):
+        kernel_runs.clear()
         seq = Sequence("r", [5, 9, 2, 7] * 5, SamplingParams(temperature=0))
         seq.block_table, seq.num_new_tokens = [0, 1, 2], 20
         runner.forward([seq])
@@ -131,5 +146,6 @@ def test_bf16_compiled_decode_keeps_the_prepacked_projections(folder: Path) -> N
             steps.append(runner.forward([seq])[0].float())
         hidden.append(torch.cat(steps))
     assert compiled.compiled is not None and compiled.compiled.calls == 2 + 8
+    assert len(kernel_runs) == (8 * len(compiled.model.layers) if paged else 0)
     error = (hidden[1] - hidden[0]).abs().max() / hidden[0].abs().max()
     assert error < 0.03, error

@@ -12,9 +12,11 @@ import torch
 
 from shared.protocol import SamplingParams
 from tests.model.routing import route_every_size
+from workers.scheduler import llama
 from workers.scheduler.attention_tuning import AttentionChoice
 from workers.scheduler.llama import ModelArgs, load_model
 from workers.scheduler.model_runner import DECODE_MATMUL_MIN_SEQS, TorchModelRunner
+from workers.scheduler.paged_decode import kernel_library, paged_decode
 from workers.scheduler.prepacked import PrepackedLinear, can_prepack
 from workers.scheduler.quantization import fits, quantize_model
 from workers.scheduler.sequence import Sequence
@@ -127,17 +129,23 @@ def test_int4_runs_every_family_close_to_fp32(family: Any) -> None:
     assert correlation > 0.95
 
 
-@pytest.mark.parametrize("kernel", ["matmuls", "bf16 sdpa"])
-def test_bf16_decode_attention_follows_sdpa(family: Any, kernel: str) -> None:
-    """The bf16 CPU decode paths (two matmuls over K/V gathered head-major, or SDPA on the
-    bf16 tensors) against SDPA in fp32 on the same cache and inputs: grouped-query heads,
-    and sequences of unequal lengths (up to 18 tokens over two blocks, the shorter ones
-    padded)."""
+@pytest.mark.parametrize("kernel", ["matmuls", "bf16 sdpa", "paged"])
+def test_bf16_decode_attention_follows_sdpa(
+    family: Any, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bf16 CPU decode paths (two matmuls over K/V gathered head-major, SDPA on the
+    bf16 tensors, or the C kernel reading the cache in place) against SDPA in fp32 on the
+    same cache and inputs: grouped-query heads, and sequences of unequal lengths (up to 18
+    tokens over two blocks, the shorter ones padded)."""
+    if kernel == "paged" and kernel_library() is None:
+        pytest.skip("no C compiler here: the paged decode kernel is not built")
     _, folder = family
     runner = TorchModelRunner.load(
         str(folder), num_kv_blocks=32, block_size=BLOCK_SIZE, dtype="bfloat16"
     )
     runner.use_attention(AttentionChoice(upcast_sdpa=True, matmul_decodes=True))
+    calls: list[int] = []
+    monkeypatch.setattr(llama, "paged_decode", lambda *a: calls.append(1) or paged_decode(*a))
     lengths = [18, 3, 5, 1, 9, 16, 17, 2][:DECODE_MATMUL_MIN_SEQS]
     seqs = _seqs([list(range(3, 3 + n)) for n in lengths])
     with torch.inference_mode():
@@ -155,10 +163,16 @@ def test_bf16_decode_attention_follows_sdpa(family: Any, kernel: str) -> None:
         reference = runner.model(input_ids, batch, runner.kv_cache).float()
         if kernel == "matmuls":
             group.score_bias = score_bias
+        elif kernel == "paged":
+            runner.use_attention(AttentionChoice(True, True, paged_decodes=True))
+            batch = runner._prepare(seqs)
+            assert batch.groups[0].block_tables is not None
         else:
             runner.use_attention(AttentionChoice(upcast_sdpa=False, matmul_decodes=False))
         fast = runner.model(input_ids, batch, runner.kv_cache).float()
-    assert not torch.equal(fast, reference)
+    # The kernel, fp32 throughout as the reference, may give its very bits after rounding.
+    assert len(calls) == (len(runner.model.layers) if kernel == "paged" else 0)
+    assert kernel == "paged" or not torch.equal(fast, reference)
     error = (fast - reference).abs().max() / reference.abs().max()
     # Measured: 0.008-0.010 either way (the matmuls on another CPU 0.007-0.016: bf16
     # rounding); no mask 0.36-0.92, wrong kv head 0.06-0.60.

@@ -6,7 +6,8 @@ EPYC cores with AVX512-BF16, torch's bf16 SDPA ran 1.5-4x slower than upcasting 
 fp32 for it, and one query per sequence ran fastest as two batched matmuls
 (`Attention._attend_decodes`); on 2 Sapphire Rapids cores (AMX) bf16 SDPA is 3x faster than
 upcasting (16 prefills of 128 tokens: 2.8 vs 8.6 ms) and beats the matmuls on decodes (16
-sequences of 256 tokens: 196 vs 298 us; equal at 64).
+sequences of 256 tokens: 196 vs 298 us; equal at 64). Where gcc builds it, the paged C
+kernel (paged_decode.py) is timed on the same decodes, and serves them if fastest.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.scheduler.llama import Attention, AttentionGroup
+from workers.scheduler.paged_decode import kernel_fits, paged_decode
 
 PREFILL_SHAPE = (4, 64, 128)  # sequences, new tokens each, context
 DECODE_SHAPE = (16, 256)  # sequences, context
@@ -28,12 +30,14 @@ DECODE_SHAPE = (16, 256)  # sequences, context
 class AttentionChoice:
     upcast_sdpa: bool  # prefill chunks (and decodes without the matmuls): SDPA in fp32
     matmul_decodes: bool  # decode groups: two batched matmuls instead of SDPA
+    paged_decodes: bool = False  # decode groups: paged_decode.py's kernel, before both
 
 
 @torch.inference_mode()
 def choose_attention(attention: Attention, dtype: torch.dtype, repeats: int = 5) -> AttentionChoice:
     """Times SDPA with and without the upcast on a prefill-shaped call, then the decode
-    matmuls against SDPA (as just chosen) on a decode-shaped one; median of `repeats`."""
+    matmuls, SDPA (as just chosen) and the paged kernel on a decode-shaped one; median of
+    `repeats`."""
     prefill, prefill_inputs = _prefill_group(attention, dtype)
     attention.upcast_sdpa = True
     upcast = _median_time(lambda: attention._attend_group(*prefill_inputs, prefill), repeats)
@@ -43,7 +47,15 @@ def choose_attention(attention: Attention, dtype: torch.dtype, repeats: int = 5)
     decode, decode_inputs, score_bias = _decode_group(attention, dtype)
     sdpa = _median_time(lambda: attention._attend_group(*decode_inputs, decode), repeats)
     matmuls = _median_time(lambda: attention._attend_decodes(*decode_inputs, score_bias), repeats)
-    return AttentionChoice(upcast_sdpa=upcast_sdpa, matmul_decodes=matmuls < sdpa)
+    paged = float("inf")
+    if kernel_fits(decode_inputs[0], attention.num_kv_heads):
+        paged_inputs = _paged_inputs(decode_inputs)
+        paged = _median_time(lambda: paged_decode(*paged_inputs), repeats)
+    return AttentionChoice(
+        upcast_sdpa=upcast_sdpa,
+        matmul_decodes=matmuls < sdpa,
+        paged_decodes=paged < min(matmuls, sdpa),
+    )
 
 
 def _median_time(call: Callable[[], object], repeats: int) -> float:
@@ -54,6 +66,21 @@ def _median_time(call: Callable[[], object], repeats: int) -> float:
         call()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def _paged_inputs(
+    decode_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The decode inputs as the kernel reads them: the contexts [kv_heads, seqs, context, d]
+    seen as a cache of [kv_heads, seqs * context, d] slots, sequence b in blocks b * n ..."""
+    q, keys, values = decode_inputs
+    kv_heads, seqs, context, head_dim = keys.shape
+    block_size = 16
+    blocks = context // block_size
+    tables = torch.arange(seqs * blocks, dtype=torch.int32).view(seqs, blocks)
+    lengths = torch.linspace(context // 2, context, seqs).to(torch.int32)
+    k_cache, v_cache = (c.reshape(kv_heads, seqs * context, head_dim) for c in (keys, values))
+    return q, k_cache, v_cache, tables, lengths, block_size
 
 
 def _inputs(

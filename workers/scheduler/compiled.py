@@ -64,6 +64,8 @@ class CompiledDecode:
             torch._dynamo.maybe_mark_dynamic(group.mask, 3)
             if group.score_bias is not None:
                 torch._dynamo.maybe_mark_dynamic(group.score_bias, 3)
+            if group.block_tables is not None:
+                torch._dynamo.maybe_mark_dynamic(group.block_tables, 1)
         self.calls += 1
         return self._forward(input_ids, batch, kv_cache)
 

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from workers.scheduler.paged_decode import paged_decode
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -122,6 +124,10 @@ class AttentionGroup:
     # Decode groups that take `Attention._attend_decodes`: the mask as a score bias
     # [1, B, 1, Lk] (0 = attend, -inf = padding); None = the general (SDPA) path.
     score_bias: torch.Tensor | None = None
+    # Decode groups that take the paged kernel (paged_decode.py): each sequence's block
+    # table [B, blocks] and context length [B], int32; the cache is read in place.
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -226,6 +232,15 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         all_decodes = len(batch.groups) == 1 and batch.groups[0].mask.shape[2] == 1
         for group in batch.groups:
+            if group.block_tables is not None and group.context_lens is not None:
+                rows = q if all_decodes else q[group.token_index]
+                attended = paged_decode(
+                    rows, k_cache, v_cache, group.block_tables, group.context_lens, batch.block_size
+                )
+                if all_decodes:
+                    return attended
+                out[group.token_index] = attended
+                continue
             # Whole blocks: 1.5x faster than gathering slot by slot (2 KB rows, not 128 B).
             keys, values = (
                 cache.view(-1, batch.block_size * self.head_dim)

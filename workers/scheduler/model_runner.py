@@ -172,6 +172,7 @@ class TorchModelRunner:
         # bf16/fp16 decodes on CPU may take Attention._attend_decodes (`use_attention`);
         # fp32 keeps SDPA (the exact reference), and so does CUDA.
         self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
+        self.paged_decodes = False  # decode groups through paged_decode.py's kernel
         shape = (args.num_kv_heads, num_kv_blocks * block_size, args.head_dim)
         self.kv_cache: list[LayerCache] = [
             (
@@ -247,6 +248,7 @@ class TorchModelRunner:
             if isinstance(module, Attention):
                 module.upcast_sdpa = choice.upcast_sdpa
         self.matmul_decodes = choice.matmul_decodes
+        self.paged_decodes = choice.paged_decodes
 
     @property
     def vocab_size(self) -> int:
@@ -359,7 +361,10 @@ class TorchModelRunner:
             kv_rows=(blocks.flatten() + heads).flatten(),
             mask=mask.unsqueeze(1),
         )
-        if max_q == 1 and self.matmul_decodes and len(index) >= DECODE_MATMUL_MIN_SEQS:
+        if max_q == 1 and self.paged_decodes:
+            group.block_tables = blocks.to(torch.int32)
+            group.context_lens = kv_len.to(torch.int32)
+        elif max_q == 1 and self.matmul_decodes and len(index) >= DECODE_MATMUL_MIN_SEQS:
             bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
             group.score_bias = bias.view(1, len(index), 1, -1)
         return group

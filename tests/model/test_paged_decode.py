@@ -1,0 +1,127 @@
+"""The C decode-attention kernel (paged_decode.py) against fp32 SDPA over the same contexts
+gathered by hand, and inside a step that mixes decodes with a prefill chunk."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.model.test_families import BLOCK_SIZE, SMALL, _seqs, step
+from workers.scheduler import llama
+from workers.scheduler.attention_tuning import AttentionChoice
+from workers.scheduler.model_runner import TorchModelRunner
+from workers.scheduler.paged_decode import kernel_fits, kernel_library, paged_decode
+
+pytestmark = pytest.mark.skipif(
+    kernel_library() is None, reason="no C compiler here: the paged decode kernel is not built"
+)
+
+
+def reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """fp32 SDPA, one sequence at a time, over the slots its block table names."""
+    outs = []
+    for b, length in enumerate(lengths.tolist()):
+        slots = torch.arange(length)
+        slots = tables[b, slots // block_size].long() * block_size + slots % block_size
+        keys, values = (c[:, slots].float().unsqueeze(0) for c in (k_cache, v_cache))
+        query = q[b].float().unsqueeze(0).unsqueeze(2)  # [1, heads, 1, d]
+        out = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
+        outs.append(out[0, :, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 32), (16, 2, 16, 16)],
+)
+def test_the_kernel_follows_fp32_sdpa_over_scattered_blocks(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    lengths = torch.tensor([1, 5, block_size, block_size + 1, 300, 77])
+    width = -(-int(lengths.max()) // block_size) + 1  # a padding column, never read
+    num_blocks = len(lengths) * width + 7
+    slots = num_blocks * block_size
+    k_cache, v_cache = (
+        torch.randn(kv_heads, slots, head_dim, generator=gen).bfloat16() for _ in range(2)
+    )
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lengths) * width]
+    tables = tables.view(len(lengths), width).to(torch.int32)
+    # q as the model hands it over: rows of a wider [B, heads + 2 kv heads, d] tensor.
+    qkv = torch.randn(len(lengths), heads + 2 * kv_heads, head_dim, generator=gen).bfloat16()
+    q = qkv[:, :heads]
+    assert not q.is_contiguous() and kernel_fits(q, kv_heads)
+    out = paged_decode(q, k_cache, v_cache, tables, lengths.to(torch.int32), block_size)
+    expected = reference(q, k_cache, v_cache, tables, lengths, block_size)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    # bf16 output rounding: 2^-9 of the value; fp32 everywhere before it.
+    torch.testing.assert_close(out.float(), expected, rtol=4e-3, atol=4e-3)
+
+
+def test_the_kernel_is_offered_only_where_it_applies() -> None:
+    bf16 = torch.zeros(2, 9, 64, dtype=torch.bfloat16)
+    assert kernel_fits(bf16, 3)
+    assert not kernel_fits(bf16.float(), 3)  # fp32: the exact reference stays on SDPA
+    assert not kernel_fits(bf16, 2)  # heads not a multiple of kv heads
+    assert not kernel_fits(torch.zeros(2, 9, 512, dtype=torch.bfloat16), 3)  # head_dim > 256
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    # 3 query heads per kv head (as SmolLM2), head_dim apart from hidden / heads
+    config = LlamaConfig(**{**SMALL, "hidden_size": 96, "num_attention_heads": 6}, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.05)
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_step_of_decodes_and_a_prefill_chunk_takes_the_kernel_for_the_decodes(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decodes and a prefill chunk in one step: the decodes' rows go through the kernel, the
+    chunk through SDPA, and the step's hidden states follow the all-torch step's."""
+    calls: list[int] = []
+    monkeypatch.setattr(llama, "paged_decode", lambda *a: calls.append(1) or paged_decode(*a))
+    hidden = []
+    for paged in (False, True):
+        runner = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, dtype="bfloat16")
+        runner.use_attention(AttentionChoice(True, True, paged_decodes=paged))
+        seqs = _seqs([list(range(3, 3 + n)) for n in (21, 9, 30)])
+        with torch.inference_mode():
+            step(runner, seqs[:2])  # two prompts in the cache
+            for seq in seqs[:2]:
+                seq.append_token(9)
+            seqs[2].token_ids = seqs[2].token_ids[:20]  # a first chunk of the third
+            step(runner, seqs[2:])
+            seqs[2].token_ids.extend(range(40, 50))
+            # a 10-token chunk, then 2 decodes: their rows are 10 and 11 of the step
+            hidden.append(step(runner, [seqs[2], *seqs[:2]]).float())
+    assert len(calls) == len(runner.model.layers)  # the second runner's mixed step
+    error = (hidden[1] - hidden[0]).abs().max() / hidden[0].abs().max()
+    assert error < 0.03, error
+
+
+def test_loading_the_kernel_keeps_subnormal_floats() -> None:
+    """A library linked with -ffast-math turns on flush-to-zero for the whole process when
+    loaded (gcc 12's crtfastmath.o): fp32, the exact reference, would change with it."""
+    assert kernel_library() is not None
+    assert sys.float_info.min / 2 > 0
+    assert torch.tensor([1e-40]).mul(1.0).item() > 0
