@@ -19,6 +19,10 @@ mkdir -p "$OUT"
 GGUF=$($PY -c "from shared.model_files import default_gguf_path; print(default_gguf_path())")
 TOK=$($PY -c "from shared.model_files import resolve_model; print(resolve_model(''))")
 
+port_free() {  # a server left running on the port would be measured in place of ours
+    if curl -sf "$1/v1/models" >/dev/null; then echo "something already answers at $1" >&2; exit 1; fi
+}
+
 wait_ready() {  # an OpenAI server answers /v1/models
     for _ in $(seq 300); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done
     echo "no answer from $1" >&2; return 1
@@ -33,6 +37,7 @@ measure() {  # name url
 stop() { kill -INT "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
 
 if [ -n "${LLAMA_SERVER:-}" ]; then
+    port_free http://127.0.0.1:8080
     "$LLAMA_SERVER" -m "$GGUF" --parallel 16 -c 8192 --port 8080 >"$OUT/llama-server.log" 2>&1 &
     pid=$!
     wait_ready http://127.0.0.1:8080 && measure llama-server http://127.0.0.1:8080
@@ -41,6 +46,7 @@ fi
 serve() {  # name flags...
     local name=$1
     shift
+    port_free http://127.0.0.1:30000
     .venv/bin/redserve up --port 30000 "$@" >"$OUT/$name.log" 2>&1 &
     pid=$!
     wait_ready http://127.0.0.1:30000 && measure "$name" http://127.0.0.1:30000
