@@ -3,6 +3,7 @@ gathered by hand, and inside a step that mixes decodes with a prefill chunk."""
 
 from __future__ import annotations
 
+import platform
 import sys
 from pathlib import Path
 
@@ -12,9 +13,10 @@ import torch.nn.functional as F
 
 from tests.model.test_families import BLOCK_SIZE, SMALL, _seqs, step
 from workers.scheduler import llama
+from workers.scheduler import paged_decode as paged_decode_module
 from workers.scheduler.attention_tuning import AttentionChoice
 from workers.scheduler.model_runner import TorchModelRunner
-from workers.scheduler.paged_decode import kernel_fits, kernel_library, paged_decode
+from workers.scheduler.paged_decode import build_kernel, kernel_fits, kernel_library, paged_decode
 
 pytestmark = pytest.mark.skipif(
     kernel_library() is None, reason="no C compiler here: the paged decode kernel is not built"
@@ -41,13 +43,25 @@ def reference(
     return torch.stack(outs)
 
 
+@pytest.mark.parametrize("build", ["native", "portable"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 32), (16, 2, 16, 16)],
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 32), (16, 2, 16, 16), (6, 2, 8, 16)],
 )
 def test_the_kernel_follows_fp32_sdpa_over_scattered_blocks(
-    heads: int, kv_heads: int, head_dim: int, block_size: int
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    build: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Both builds: this CPU's (AVX-512 paths where it has them) and the plain loops
+    (-mno-avx512f), which other CPUs run."""
+    if build == "portable":
+        if platform.machine() != "x86_64" or (library := build_kernel(("-mno-avx512f",))) is None:
+            pytest.skip("the portable build is checked on x86-64")
+        monkeypatch.setattr(paged_decode_module, "kernel_library", lambda: library)
     gen = torch.Generator().manual_seed(heads * head_dim)
     lengths = torch.tensor([1, 5, block_size, block_size + 1, 300, 77])
     width = -(-int(lengths.max()) // block_size) + 1  # a padding column, never read

@@ -4,8 +4,10 @@ kernel (paged_decode.c) built with gcc when the scheduler loads, called through 
 The torch path gathers every decoding sequence's context blocks into a fresh [kv_heads, B,
 Lk, head_dim] tensor per layer, then runs two batched matmuls and a softmax over it: at 16
 sequences that gather was 11% of a served step (py-spy). The kernel reads each K/V row once
-where it lies. Per layer, SmolLM2's heads, 256-token contexts, 2 AMD EPYC (Zen 5) cores: 1
-sequence 8 vs 60 us, 16 sequences 120 vs 190 us, 64 sequences 550 vs 750 us.
+where it lies. Per layer with SmolLM2's heads (9 query, 3 kv, head_dim 64), contexts of
+128-256 tokens, the 30 layers' caches visited in turn as a step does (K/V come from memory,
+not a warm cache), 2 AMD EPYC (Zen 5) cores: 1 sequence 8 vs 62 us, 16 sequences 111 vs
+240 us, 64 sequences 425 vs 820 us (the torch path: gather, two matmuls, softmax).
 
 Whether it serves is timed at load beside the torch paths (attention_tuning.py); without a
 C compiler, or if the build fails, the torch paths serve as before. `torch.compile` sees it
@@ -35,9 +37,16 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # as the C source's arrays
 
 
-@functools.cache
 def kernel_library() -> ctypes.CDLL | None:
-    """The built kernel, or None where no C compiler is found or the build fails."""
+    """The kernel built for this CPU, or None where no C compiler is found or the build
+    fails."""
+    return build_kernel(())
+
+
+@functools.cache
+def build_kernel(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernel built with `extra_flags` after the usual ones (tests build the portable
+    loops with -mno-avx512f)."""
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         logger.info("no C compiler on PATH: decode attention stays on the torch paths")
@@ -45,7 +54,7 @@ def kernel_library() -> ctypes.CDLL | None:
     with tempfile.TemporaryDirectory(prefix="redserve-kernel-") as folder:
         built, library = Path(folder) / "paged_decode.o", Path(folder) / "paged_decode.so"
         for command in (
-            [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built)],
+            [compiler, *COMPILE_FLAGS, *extra_flags, str(SOURCE), "-o", str(built)],
             [compiler, *LINK_FLAGS, str(built), "-o", str(library), "-lm"],
         ):
             build = subprocess.run(command, capture_output=True, text=True)
