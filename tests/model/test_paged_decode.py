@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.model.test_families import BLOCK_SIZE, SMALL, _seqs, step
-from workers.scheduler import llama
+from workers.scheduler import llama, model_runner
 from workers.scheduler import paged_decode as paged_decode_module
 from workers.scheduler.attention_tuning import AttentionChoice
 from workers.scheduler.model_runner import TorchModelRunner
@@ -43,6 +43,7 @@ def reference(
     return torch.stack(outs)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("build", ["native", "portable"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
@@ -54,10 +55,11 @@ def test_the_kernel_follows_fp32_sdpa_over_scattered_blocks(
     head_dim: int,
     block_size: int,
     build: str,
+    dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Both builds: this CPU's (AVX-512 paths where it has them) and the plain loops
-    (-mno-avx512f), which other CPUs run."""
+    (-mno-avx512f), which other CPUs run; bf16 and fp32 caches."""
     if build == "portable":
         if platform.machine() != "x86_64" or (library := build_kernel(("-mno-avx512f",))) is None:
             pytest.skip("the portable build is checked on x86-64")
@@ -68,25 +70,28 @@ def test_the_kernel_follows_fp32_sdpa_over_scattered_blocks(
     num_blocks = len(lengths) * width + 7
     slots = num_blocks * block_size
     k_cache, v_cache = (
-        torch.randn(kv_heads, slots, head_dim, generator=gen).bfloat16() for _ in range(2)
+        torch.randn(kv_heads, slots, head_dim, generator=gen).to(dtype) for _ in range(2)
     )
     tables = torch.randperm(num_blocks, generator=gen)[: len(lengths) * width]
     tables = tables.view(len(lengths), width).to(torch.int32)
     # q as the model hands it over: rows of a wider [B, heads + 2 kv heads, d] tensor.
-    qkv = torch.randn(len(lengths), heads + 2 * kv_heads, head_dim, generator=gen).bfloat16()
+    qkv = torch.randn(len(lengths), heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q = qkv[:, :heads]
     assert not q.is_contiguous() and kernel_fits(q, kv_heads)
     out = paged_decode(q, k_cache, v_cache, tables, lengths.to(torch.int32), block_size)
     expected = reference(q, k_cache, v_cache, tables, lengths, block_size)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    # bf16 output rounding: 2^-9 of the value; fp32 everywhere before it.
-    torch.testing.assert_close(out.float(), expected, rtol=4e-3, atol=4e-3)
+    assert out.dtype == dtype and out.shape == q.shape
+    # bf16: its output rounding, 2^-9 of the value (fp32 everywhere before it); fp32: the
+    # order of the sums.
+    tolerance = 4e-3 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
 def test_the_kernel_is_offered_only_where_it_applies() -> None:
     bf16 = torch.zeros(2, 9, 64, dtype=torch.bfloat16)
     assert kernel_fits(bf16, 3)
-    assert not kernel_fits(bf16.float(), 3)  # fp32: the exact reference stays on SDPA
+    assert kernel_fits(bf16.float(), 3)
+    assert not kernel_fits(bf16.half(), 3)
     assert not kernel_fits(bf16, 2)  # heads not a multiple of kv heads
     assert not kernel_fits(torch.zeros(2, 9, 512, dtype=torch.bfloat16), 3)  # head_dim > 256
 
@@ -107,8 +112,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_step_of_decodes_and_a_prefill_chunk_takes_the_kernel_for_the_decodes(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
+    folder: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decodes and a prefill chunk in one step: the decodes' rows go through the kernel, the
     chunk through SDPA, and the step's hidden states follow the all-torch step's."""
@@ -116,7 +122,7 @@ def test_a_step_of_decodes_and_a_prefill_chunk_takes_the_kernel_for_the_decodes(
     monkeypatch.setattr(llama, "paged_decode", lambda *a: calls.append(1) or paged_decode(*a))
     hidden = []
     for paged in (False, True):
-        runner = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, dtype="bfloat16")
+        runner = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, dtype=dtype)
         runner.use_attention(AttentionChoice(True, True, paged_decodes=paged))
         seqs = _seqs([list(range(3, 3 + n)) for n in (21, 9, 30)])
         with torch.inference_mode():
@@ -130,7 +136,7 @@ def test_a_step_of_decodes_and_a_prefill_chunk_takes_the_kernel_for_the_decodes(
             hidden.append(step(runner, [seqs[2], *seqs[:2]]).float())
     assert len(calls) == len(runner.model.layers)  # the second runner's mixed step
     error = (hidden[1] - hidden[0]).abs().max() / hidden[0].abs().max()
-    assert error < 0.03, error
+    assert error < (0.03 if dtype == "bfloat16" else 1e-5), error
 
 
 def test_loading_the_kernel_keeps_subnormal_floats() -> None:
@@ -139,3 +145,17 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     assert kernel_library() is not None
     assert sys.float_info.min / 2 > 0
     assert torch.tensor([1e-40]).mul(1.0).item() > 0
+
+
+def test_only_quantized_fp32_runners_time_the_kernels(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 without quantization is the exact reference: its decodes stay on SDPA, untimed.
+    A quantized fp32 runner is inexact anyway: its attention kernels are timed at load."""
+    timed: list[torch.dtype] = []
+    choice = AttentionChoice(upcast_sdpa=True, matmul_decodes=False, paged_decodes=True)
+    monkeypatch.setattr(model_runner, "choose_attention", lambda _, d: timed.append(d) or choice)
+    exact = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE)
+    assert not timed and not exact.paged_decodes and not exact.matmul_decodes
+    quantized = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, quantization="int4")
+    assert timed == [torch.float32] and quantized.paged_decodes

@@ -1,5 +1,5 @@
-"""Which attention kernels a bf16/fp16 CPU runner takes, timed at load on the machine (as
-tiered.py does for the projections).
+"""Which attention kernels a bf16/fp16 (or quantized fp32) CPU runner takes, timed at load on
+the machine (as tiered.py does for the projections).
 
 The fastest one differs between CPUs. Per layer, SmolLM2's heads, torch 2.13: on 2 AMD
 EPYC cores with AVX512-BF16, torch's bf16 SDPA ran 1.5-4x slower than upcasting q/k/v to

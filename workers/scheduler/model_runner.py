@@ -170,7 +170,8 @@ class TorchModelRunner:
         args, weight = model.args, model.embed_tokens.weight
         self.device = weight.device
         # bf16/fp16 decodes on CPU may take Attention._attend_decodes (`use_attention`);
-        # fp32 keeps SDPA (the exact reference), and so does CUDA.
+        # fp32 keeps SDPA (the exact reference; quantized fp32 runners are timed at load),
+        # and so does CUDA.
         self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
         self.paged_decodes = False  # decode groups through paged_decode.py's kernel
         shape = (args.num_kv_heads, num_kv_blocks * block_size, args.head_dim)
@@ -225,7 +226,9 @@ class TorchModelRunner:
             num_kv_blocks, kv_memory_fraction, available, bytes_per_block
         )
         runner = cls(model, num_kv_blocks, block_size)
-        if runner.matmul_decodes:
+        # fp32 without quantization is the exact reference: SDPA, untimed. Quantized fp32
+        # runners are not exact anyway, so their decodes may take the faster kernels too.
+        if runner.matmul_decodes or (runner.device.type == "cpu" and quantization != "none"):
             attention = next(m for m in model.modules() if isinstance(m, Attention))
             runner.use_attention(choose_attention(attention, weight.dtype))
         if torch_compile_max_bs:

@@ -1,4 +1,4 @@
-/* Decode attention over the paged KV cache, read in place (bf16 storage, fp32 math).
+/* Decode attention over the paged KV cache, read in place (bf16 or fp32 storage, fp32 math).
  * Built at load by paged_decode.py (gcc -O3 -march=native -ffast-math -fopenmp, linked
  * without -ffast-math); the OpenMP runtime is the one torch already loaded (same soname),
  * so this shares its threads.
@@ -35,21 +35,34 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
     return (uint16_t)(u >> 16);
 }
 
-static inline void prefetch_block(const uint16_t *block, int rows, int D) {
+#define INLINE static inline __attribute__((always_inline))
+
+/* Storage: bf16 (2 bytes an element) or fp32. Every function below takes `bf16` as a
+ * constant from one of the two entry points, so gcc builds each path apart. */
+INLINE const void *at(const void *base, size_t index, int bf16) {
+    return (const char *)base + index * (bf16 ? sizeof(uint16_t) : sizeof(float));
+}
+
+INLINE float load1(const void *base, size_t index, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+
+INLINE void prefetch_block(const void *block, int rows, int D, int bf16) {
     const char *p = (const char *)block;
-    for (size_t off = 0; off < (size_t)rows * D * sizeof(uint16_t); off += 64)
-        __builtin_prefetch(p + off);
+    size_t bytes = (size_t)rows * D * (bf16 ? sizeof(uint16_t) : sizeof(float));
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
 #ifdef __AVX512F__
-static inline __m512 load16_bf16(const uint16_t *p) { /* 16 bf16 -> 16 fp32 */
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+INLINE __m512 load16(const void *base, size_t index, int bf16) { /* 16 elements as fp32 */
+    if (!bf16) return _mm512_loadu_ps((const float *)base + index);
+    const __m256i *p = (const __m256i *)((const uint16_t *)base + index);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
 }
 
 /* Lane j of the result: the sum of the 16 lanes of v[j] (45 shuffles and adds for 16 dot
  * products instead of 16 horizontal sums). */
-static inline __m512 sum16(const __m512 v[16]) {
+INLINE __m512 sum16(const __m512 v[16]) {
     __m512 t[8], u[4], x[2];
     for (int i = 0; i < 8; i++) /* per 128-bit lane: pairs of partial sums */
         t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -68,7 +81,7 @@ static inline __m512 sum16(const __m512 v[16]) {
 }
 
 /* scores[i] = q . k_i for the first n <= 16 fp32 rows of k (D a multiple of 16). */
-static inline void score16(const float *q, const float *k, int n, int D, float *scores) {
+INLINE void score16(const float *q, const float *k, int n, int D, float *scores) {
     __m512 parts[16];
     for (int i = 0; i < 16; i++) {
         __m512 acc = _mm512_setzero_ps();
@@ -80,16 +93,16 @@ static inline void score16(const float *q, const float *k, int n, int D, float *
     _mm512_mask_storeu_ps(scores, (__mmask16)((1u << n) - 1u), sum16(parts));
 }
 
-/* acc[g][0..63] += sum_i p[g * p_stride + i] * v_i over n bf16 rows of v (D 64, G <= 4). */
-static inline void weigh64(const uint16_t *v, int n, const float *p, size_t p_stride, int G,
-                           float (*acc)[MAX_HEAD_DIM]) {
+/* acc[g][0..63] += sum_i p[g * p_stride + i] * v_i over n rows of v (D 64, G <= 4). */
+INLINE void weigh64(const void *v, int n, const float *p, size_t p_stride, int G,
+                    float (*acc)[MAX_HEAD_DIM], int bf16) {
     __m512 a[4][4];
     for (int g = 0; g < 4; g++)
         for (int j = 0; j < 4; j++)
             a[g][j] = g < G ? _mm512_loadu_ps(acc[g] + 16 * j) : _mm512_setzero_ps();
     for (int i = 0; i < n; i++) {
         __m512 row[4];
-        for (int j = 0; j < 4; j++) row[j] = load16_bf16(v + (size_t)i * 64 + 16 * j);
+        for (int j = 0; j < 4; j++) row[j] = load16(v, (size_t)i * 64 + 16 * j, bf16);
         for (int g = 0; g < 4 && g < G; g++) {
             __m512 w = _mm512_set1_ps(p[g * p_stride + i]);
             for (int j = 0; j < 4; j++) a[g][j] = _mm512_fmadd_ps(row[j], w, a[g][j]);
@@ -101,17 +114,21 @@ static inline void weigh64(const uint16_t *v, int n, const float *p, size_t p_st
 #endif
 
 /* scores[g * len + start + i] = qf[g] . k_i for the n rows of one K block. */
-static void score_block(const uint16_t *kb, int n, int D, int G, float (*qf)[MAX_HEAD_DIM],
-                        float *scores, int len, int start) {
+INLINE void score_block(const void *kb, int n, int D, int G, float (*qf)[MAX_HEAD_DIM],
+                        float *scores, int len, int start, int bf16) {
 #ifdef __AVX512F__
     if (D % 16 == 0) {
-        float kf[16 * MAX_HEAD_DIM];
+        float kf[16 * MAX_HEAD_DIM]; /* bf16 rows widened once for every query of the group */
         for (int first = 0; first < n; first += 16) {
             int rows = n - first < 16 ? n - first : 16;
-            for (int i = 0; i < rows * D; i += 16)
-                _mm512_storeu_ps(kf + i, load16_bf16(kb + (size_t)first * D + i));
+            const float *k = (const float *)at(kb, (size_t)first * D, bf16);
+            if (bf16) {
+                for (int i = 0; i < rows * D; i += 16)
+                    _mm512_storeu_ps(kf + i, load16(kb, (size_t)first * D + i, bf16));
+                k = kf;
+            }
             for (int g = 0; g < G; g++)
-                score16(qf[g], kf, rows, D, scores + (size_t)g * len + start + first);
+                score16(qf[g], k, rows, D, scores + (size_t)g * len + start + first);
         }
         return;
     }
@@ -119,7 +136,7 @@ static void score_block(const uint16_t *kb, int n, int D, int G, float (*qf)[MAX
     float row[MAX_HEAD_DIM];
     for (int i = 0; i < n; i++) {
 #pragma omp simd
-        for (int d = 0; d < D; d++) row[d] = bf16_to_float(kb[(size_t)i * D + d]);
+        for (int d = 0; d < D; d++) row[d] = load1(kb, (size_t)i * D + d, bf16);
         for (int g = 0; g < G; g++) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -130,18 +147,18 @@ static void score_block(const uint16_t *kb, int n, int D, int G, float (*qf)[MAX
 }
 
 /* acc[g] += sum_i p_g[start + i] * v_i for the n rows of one V block. */
-static void weigh_block(const uint16_t *vb, int n, int D, int G, const float *scores, int len,
-                        int start, float (*acc)[MAX_HEAD_DIM]) {
+INLINE void weigh_block(const void *vb, int n, int D, int G, const float *scores, int len,
+                        int start, float (*acc)[MAX_HEAD_DIM], int bf16) {
 #ifdef __AVX512F__
     if (D == 64 && G <= 4) {
-        weigh64(vb, n, scores + start, (size_t)len, G, acc);
+        weigh64(vb, n, scores + start, (size_t)len, G, acc, bf16);
         return;
     }
 #endif
     float row[MAX_HEAD_DIM];
     for (int i = 0; i < n; i++) {
 #pragma omp simd
-        for (int d = 0; d < D; d++) row[d] = bf16_to_float(vb[(size_t)i * D + d]);
+        for (int d = 0; d < D; d++) row[d] = load1(vb, (size_t)i * D + d, bf16);
         for (int g = 0; g < G; g++) {
             float p = scores[(size_t)g * len + start + i];
 #pragma omp simd
@@ -150,57 +167,82 @@ static void weigh_block(const uint16_t *vb, int n, int D, int G, const float *sc
     }
 }
 
-/* q: [B, H, D] with rows `q_stride` apart; k, v: [KVH, slots, D]; out: [B, H, D];
- * tables: [B, max_blocks]; lens: [B] (context length, the new token's K/V included). */
-int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
-                      uint16_t *out, const int32_t *tables, int max_blocks, const int32_t *lens,
-                      int B, int H, int KVH, int D, int64_t slots, int block_size, float scale) {
-    int G = H / KVH;
-    if (D > MAX_HEAD_DIM || G > MAX_GROUP || G * KVH != H) return -1;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int task = 0; task < B * KVH; task++) {
-        int b = task / KVH, h = task % KVH, len = lens[b];
-        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], denom[MAX_GROUP];
-        float *scores = malloc(sizeof(float) * (size_t)G * (size_t)len);
-        if (scores == NULL || len < 1) {
-            failed = 1;
-            free(scores);
-            continue;
-        }
-        const int32_t *table = tables + (size_t)b * max_blocks;
-        const uint16_t *kh = k + (size_t)h * slots * D, *vh = v + (size_t)h * slots * D;
-        size_t block_elems = (size_t)block_size * D;
-        for (int g = 0; g < G; g++)
-            for (int d = 0; d < D; d++)
-                qf[g][d] = bf16_to_float(q[b * q_stride + (size_t)(h * G + g) * D + d]) * scale;
-        for (int start = 0, blk = 0; start < len; start += block_size, blk++) {
-            int n = len - start < block_size ? len - start : block_size;
-            if (start + block_size < len) prefetch_block(kh + table[blk + 1] * block_elems, n, D);
-            score_block(kh + table[blk] * block_elems, n, D, G, qf, scores, len, start);
-        }
-        for (int g = 0; g < G; g++) {
-            float *sg = scores + (size_t)g * len, top = sg[0], sum = 0.f;
-            for (int t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
-#pragma omp simd reduction(+ : sum)
-            for (int t = 0; t < len; t++) {
-                sg[t] = expf(sg[t] - top);
-                sum += sg[t];
-            }
-            denom[g] = sum;
-            memset(acc[g], 0, sizeof(float) * D);
-        }
-        for (int start = 0, blk = 0; start < len; start += block_size, blk++) {
-            int n = len - start < block_size ? len - start : block_size;
-            if (start + block_size < len) prefetch_block(vh + table[blk + 1] * block_elems, n, D);
-            weigh_block(vh + table[blk] * block_elems, n, D, G, scores, len, start, acc);
-        }
-        for (int g = 0; g < G; g++) {
-            float inv = 1.f / denom[g];
-            uint16_t *o = out + ((size_t)b * H + h * G + g) * D;
-            for (int d = 0; d < D; d++) o[d] = float_to_bf16(acc[g][d] * inv);
-        }
-        free(scores);
+/* One (sequence b, kv head h) of a decode step; 0, or 1 if out of memory. */
+INLINE int decode_task(int b, int h, const void *q, int64_t q_stride, const void *k,
+                       const void *v, void *out, const int32_t *tables, int max_blocks,
+                       const int32_t *lens, int H, int KVH, int D, int64_t slots,
+                       int block_size, float scale, int bf16) {
+    int G = H / KVH, len = lens[b];
+    float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], denom[MAX_GROUP];
+    float *scores = malloc(sizeof(float) * (size_t)G * (size_t)len);
+    if (scores == NULL) return 1;
+    const int32_t *table = tables + (size_t)b * max_blocks;
+    const void *kh = at(k, (size_t)h * slots * D, bf16), *vh = at(v, (size_t)h * slots * D, bf16);
+    size_t block_elems = (size_t)block_size * D;
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++)
+            qf[g][d] = load1(q, b * q_stride + (size_t)(h * G + g) * D + d, bf16) * scale;
+    for (int start = 0, blk = 0; start < len; start += block_size, blk++) {
+        int n = len - start < block_size ? len - start : block_size;
+        if (start + block_size < len)
+            prefetch_block(at(kh, table[blk + 1] * block_elems, bf16), n, D, bf16);
+        score_block(at(kh, table[blk] * block_elems, bf16), n, D, G, qf, scores, len, start,
+                    bf16);
     }
-    return failed ? -2 : 0;
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + (size_t)g * len, top = sg[0], sum = 0.f;
+        for (int t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < len; t++) {
+            sg[t] = expf(sg[t] - top);
+            sum += sg[t];
+        }
+        denom[g] = sum;
+        memset(acc[g], 0, sizeof(float) * D);
+    }
+    for (int start = 0, blk = 0; start < len; start += block_size, blk++) {
+        int n = len - start < block_size ? len - start : block_size;
+        if (start + block_size < len)
+            prefetch_block(at(vh, table[blk + 1] * block_elems, bf16), n, D, bf16);
+        weigh_block(at(vh, table[blk] * block_elems, bf16), n, D, G, scores, len, start, acc,
+                    bf16);
+    }
+    for (int g = 0; g < G; g++) {
+        float inv = 1.f / denom[g];
+        size_t row = ((size_t)b * H + h * G + g) * D;
+        for (int d = 0; d < D; d++) {
+            if (bf16)
+                ((uint16_t *)out)[row + d] = float_to_bf16(acc[g][d] * inv);
+            else
+                ((float *)out)[row + d] = acc[g][d] * inv;
+        }
+    }
+    free(scores);
+    return 0;
 }
+
+static int bad_shape(const int32_t *lens, int B, int H, int KVH, int D) {
+    if (KVH < 1 || H % KVH || H / KVH > MAX_GROUP || D > MAX_HEAD_DIM) return 1;
+    for (int b = 0; b < B; b++)
+        if (lens[b] < 1) return 1;
+    return 0;
+}
+
+/* q: [B, H, D] with rows `q_stride` elements apart; k, v: [KVH, slots, D]; out: [B, H, D];
+ * tables: [B, max_blocks]; lens: [B] (context length, the new token's K/V included).
+ * Returns 0, -1 for shapes the kernel does not take, -2 when out of memory. */
+#define ENTRY_POINT(name, elem, bf16)                                                          \
+    int name(const elem *q, int64_t q_stride, const elem *k, const elem *v, elem *out,        \
+             const int32_t *tables, int max_blocks, const int32_t *lens, int B, int H,         \
+             int KVH, int D, int64_t slots, int block_size, float scale) {                     \
+        if (bad_shape(lens, B, H, KVH, D)) return -1;                                          \
+        int failed = 0;                                                                        \
+        _Pragma("omp parallel for schedule(dynamic, 1) reduction(| : failed)")                 \
+        for (int task = 0; task < B * KVH; task++)                                             \
+            failed |= decode_task(task / KVH, task % KVH, q, q_stride, k, v, out, tables,      \
+                                  max_blocks, lens, H, KVH, D, slots, block_size, scale, bf16); \
+        return failed ? -2 : 0;                                                                \
+    }
+
+ENTRY_POINT(paged_decode_bf16, uint16_t, 1)
+ENTRY_POINT(paged_decode_f32, float, 0)
