@@ -2,6 +2,7 @@
 
     python bench/steps.py --batch 16 --modes none int4 w8a8_int8
     python bench/steps.py --batch 1 --modes none int4 --compile   # eager vs compiled
+    python bench/steps.py --batch 16 --modes int4 --dtype float32 --paged-ab  # the kernel on/off
 
 On a noisy VM two runs of the same engine can differ by 30%; alternating the modes' steps
 lets them share the same noise. Each mode gets its own runner and `--batch` prompts of
@@ -23,6 +24,7 @@ from bench.engine import engine_core  # noqa: E402
 from bench.serving import make_prompts  # noqa: E402
 from shared.config import QUANTIZATIONS  # noqa: E402
 from shared.model_files import resolve_model  # noqa: E402
+from workers.scheduler.attention_tuning import AttentionChoice  # noqa: E402
 from workers.scheduler.model_runner import TorchModelRunner  # noqa: E402
 from workers.scheduler.scheduler import Scheduler  # noqa: E402
 
@@ -65,7 +67,14 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="each mode eager and torch.compile'd (compiled.py)"
     )
+    parser.add_argument(
+        "--paged-ab",
+        action="store_true",
+        help="each mode with decode attention on torch's paths and on the paged kernel",
+    )
     args = parser.parse_args()
+    if args.compile and args.paged_ab:
+        parser.error("--paged-ab changes kernels after load, where compiled graphs are fixed")
     model_path = resolve_model("")
     prompts = make_prompts(model_path, args.batch, args.input_len)
     total = 1 + args.warmup + args.steps  # the prefill, then decodes
@@ -73,6 +82,14 @@ def main() -> None:
     if args.compile:
         variants += [(m, args.batch) for m in args.modes]
     engines = [engine(model_path, m, prompts, total, args.dtype, bs) for m, bs in variants]
+    names = [f"{m} + torch.compile" if bs else m for m, bs in variants]
+    if args.paged_ab:
+        engines += [engine(model_path, m, prompts, total, args.dtype) for m in args.modes]
+        names = [f"{m}, torch attention" for m in args.modes]
+        names += [f"{m}, paged kernel" for m in args.modes]
+        for i, (runner, _) in enumerate(engines):  # torch's paths as timed at load, or the kernel
+            paged = i >= len(args.modes)
+            runner.use_attention(AttentionChoice(True, runner.matmul_decodes, paged_decodes=paged))
     for runner, core in engines:
         for _ in range(1 + args.warmup):
             step(runner, core)
@@ -86,10 +103,9 @@ def main() -> None:
         "| mode | batch | step ms p50 | step ms p10 | tok/s at p50 |",
         "|---|---:|---:|---:|---:|",
     ]
-    for (mode, compiled), spent in zip(variants, times, strict=True):
+    for name, spent in zip(names, times, strict=True):
         p50, p10 = statistics.median(spent), sorted(spent)[len(spent) // 10]
         ms = f"{p50 * 1e3:.1f} | {p10 * 1e3:.1f}"
-        name = f"{mode} + torch.compile" if compiled else mode
         lines.append(f"| {name} | {args.batch} | {ms} | {args.batch / p50:.1f} |")
     sys.stdout.write("\n".join(lines) + "\n")
 

@@ -8,9 +8,9 @@ sequences that gather was 11% of a served step (py-spy). The kernel reads each K
 where it lies. Per layer with SmolLM2's heads (9 query, 3 kv, head_dim 64), contexts of
 128-256 tokens, the 30 layers' caches visited in turn as a step does (K/V come from memory,
 not a warm cache), 2 AMD EPYC (Zen 5) cores: 1 sequence 8 vs 62 us, 16 sequences 111 vs
-240 us, 64 sequences 425 vs 820 us (the torch path: gather, two matmuls, softmax). fp32
-int4 engine steps, same VM, A/B in one process: 9.3 vs 10.8 ms at 1 sequence, 27.8 vs 32.2
-at 16, 92.4 vs 129.2 at 64 (against gather + SDPA).
+240 us, 64 sequences 425 vs 820 us (the torch path: gather, two matmuls, softmax). Engine
+decode steps (int4, `bench/steps.py --paged-ab`): bf16 23.6 vs 28.2 ms at 16 sequences,
+52.0 vs 63.7 at 64; fp32 9.1 vs 10.5 ms at 1, 29.2 vs 33.1 at 16, 87.5 vs 105.8 at 64.
 
 Whether it serves is timed at load beside the torch paths (attention_tuning.py); without a
 C compiler, or if the build fails, the torch paths serve as before. `torch.compile` sees it
