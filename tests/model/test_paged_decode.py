@@ -159,3 +159,18 @@ def test_only_quantized_fp32_runners_time_the_kernels(
     assert not timed and not exact.paged_decodes and not exact.matmul_decodes
     quantized = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, quantization="int4")
     assert timed == [torch.float32] and quantized.paged_decodes
+
+
+def test_inputs_the_kernel_would_misread_are_refused() -> None:
+    q = torch.zeros(2, 9, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 64, 64, dtype=torch.bfloat16)
+    tables, lengths = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    assert paged_decode(q, cache, cache, tables, lengths, 16).shape == q.shape
+    for bad in (
+        (q, cache, cache, tables.long(), lengths),  # int64 block ids
+        (q, cache.float(), cache.float(), tables, lengths),  # caches of another dtype
+        (q, cache.transpose(1, 2), cache, tables, lengths),  # a strided cache
+        (q, cache, cache, tables[:1], lengths),  # a table short of rows
+    ):
+        with pytest.raises(ValueError):
+            paged_decode(*bad, 16)

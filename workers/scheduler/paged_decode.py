@@ -116,6 +116,16 @@ def _run(
         raise RuntimeError("the paged decode kernel is not built")
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
+    # The C side reads raw pointers: a wrong dtype or layout would read out of bounds.
+    indices = (block_tables, context_lens)
+    caches = (k_cache, v_cache)
+    if not (
+        all(t.dtype == torch.int32 and t.is_contiguous() for t in indices)
+        and all(t.dtype == q.dtype and t.is_contiguous() for t in caches)
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and context_lens.shape[0] == block_tables.shape[0] == q.shape[0]
+    ):
+        raise ValueError("paged_decode: int32 contiguous tables, contiguous caches of q's dtype")
     num_seqs, heads, head_dim = q.shape
     kv_heads, slots, _ = k_cache.shape
     out = q.new_empty((num_seqs, heads, head_dim))
