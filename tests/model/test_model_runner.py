@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from shared.protocol import SamplingParams
+from workers.scheduler.attention_tuning import AttentionChoice
 from workers.scheduler.model_runner import TorchModelRunner
+from workers.scheduler.paged_decode import kernel_library
 from workers.scheduler.scheduler import Scheduler, SchedulerConfig
 from workers.scheduler.sequence import Sequence
 
@@ -218,3 +220,35 @@ def test_preemption_under_a_tiny_kv_budget_still_gives_the_solo_tokens(
     seqs = run_core(runner, prompts, [SHORT] * len(prompts), **config)
     assert [seq.output_ids for seq in seqs] == short
     assert any(seq.num_preemptions for seq in seqs)
+
+
+# -- the same with decodes through the paged C kernel (paged_decode.py) -----------------------
+@pytest.fixture(scope="module")
+def paged_runner(model_path: str) -> TorchModelRunner:
+    """fp32 with the kernel forced on: it reads each sequence's blocks alone, in a fixed
+    order, so batching, chunking, cache hits and preemption must not move a token."""
+    if kernel_library() is None:
+        pytest.skip("no C compiler here: the paged decode kernel is not built")
+    runner = TorchModelRunner.load(model_path, NUM_KV_BLOCKS, BLOCK_SIZE)
+    runner.use_attention(
+        AttentionChoice(upcast_sdpa=True, matmul_decodes=False, paged_decodes=True)
+    )
+    return runner
+
+
+def test_the_paged_kernel_keeps_solo_tokens_through_chunks_cache_hits_and_preemption(
+    paged_runner: TorchModelRunner, prompts: list[list[int]], short: list[list[int]]
+) -> None:
+    solo = [generate(paged_runner, [p], [SHORT])[0] for p in prompts]
+    assert sum(a == b for a, b in zip(solo, short, strict=True)) >= len(short) - 1  # ~SDPA
+    sampling = [SHORT] * len(prompts)
+    chunked = generate(
+        paged_runner, prompts, sampling, [0, 0, 1, 3, 5, 8], max_num_batched_tokens=16
+    )
+    assert chunked == solo
+    cached = run_core(paged_runner, prompts + prompts[:2], [SHORT] * 8, [0, 0, 1, 2, 3, 4, 5, 6])
+    assert [seq.output_ids for seq in cached] == solo + solo[:2]
+    assert cached[6].num_cached_tokens > 0
+    tiny = run_core(paged_runner, prompts, sampling, num_kv_blocks=6)
+    assert [seq.output_ids for seq in tiny] == solo
+    assert any(seq.num_preemptions for seq in tiny)
