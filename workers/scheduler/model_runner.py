@@ -228,7 +228,8 @@ class TorchModelRunner:
         runner = cls(model, num_kv_blocks, block_size)
         # fp32 without quantization is the exact reference: SDPA, untimed. Quantized fp32
         # runners are not exact anyway, so their decodes may take the faster kernels too.
-        if runner.matmul_decodes or (runner.device.type == "cpu" and quantization != "none"):
+        inexact = weight.dtype != torch.float32 or quantization != "none"
+        if runner.device.type == "cpu" and inexact:
             attention = next(m for m in model.modules() if isinstance(m, Attention))
             runner.use_attention(choose_attention(attention, weight.dtype))
         if torch_compile_max_bs:

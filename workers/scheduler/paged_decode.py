@@ -117,13 +117,16 @@ def _run(
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     # The C side reads raw pointers: a wrong dtype or layout would read out of bounds.
-    indices = (block_tables, context_lens)
-    caches = (k_cache, v_cache)
+    # (Plain comparisons: this runs once per layer, and generators cost ~1 us a call.)
     if not (
-        all(t.dtype == torch.int32 and t.is_contiguous() for t in indices)
-        and all(t.dtype == q.dtype and t.is_contiguous() for t in caches)
+        block_tables.dtype == context_lens.dtype == torch.int32
+        and k_cache.dtype == v_cache.dtype == q.dtype
         and q.dtype in (torch.bfloat16, torch.float32)
         and context_lens.shape[0] == block_tables.shape[0] == q.shape[0]
+        and block_tables.is_contiguous()
+        and context_lens.is_contiguous()
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
     ):
         raise ValueError("paged_decode: int32 contiguous tables, contiguous caches of q's dtype")
     num_seqs, heads, head_dim = q.shape
