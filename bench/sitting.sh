@@ -7,7 +7,8 @@
 #   LLAMA_SERVER=/tmp/peers/.../build/bin/llama-server bash bench/sitting.sh
 #
 # With COMPILE_MAX_BS=N each mode also runs with `--enable-torch-compile
-# --torch-compile-max-bs N` (as redserve-<mode>-compiled).
+# --torch-compile-max-bs N` (as redserve-<mode>-compiled). With KV_CACHE_DTYPES="auto bfloat16"
+# each mode runs once per `--kv-cache-dtype` (as redserve-<mode>[-kv<dtype>]).
 #
 # Tables (markdown) and rows (JSON) land in $OUT (default /tmp/redserve-bench).
 set -euo pipefail
@@ -54,9 +55,13 @@ serve() {  # name flags...
 }
 
 for quantization in ${QUANTIZATIONS:-none int4 w8a8_int8}; do
-    serve "redserve-$quantization" --quantization "$quantization"
-    if [ -n "${COMPILE_MAX_BS:-}" ]; then
-        serve "redserve-$quantization-compiled" --quantization "$quantization" \
-            --enable-torch-compile --torch-compile-max-bs "$COMPILE_MAX_BS"
-    fi
+    for kv in ${KV_CACHE_DTYPES:-auto}; do
+        name=redserve-$quantization
+        [ "$kv" = auto ] || name=$name-kv$kv
+        serve "$name" --quantization "$quantization" --kv-cache-dtype "$kv"
+        if [ -n "${COMPILE_MAX_BS:-}" ]; then
+            serve "$name-compiled" --quantization "$quantization" --kv-cache-dtype "$kv" \
+                --enable-torch-compile --torch-compile-max-bs "$COMPILE_MAX_BS"
+        fi
+    done
 done

@@ -3,6 +3,7 @@
     python bench/steps.py --batch 16 --modes none int4 w8a8_int8
     python bench/steps.py --batch 1 --modes none int4 --compile   # eager vs compiled
     python bench/steps.py --batch 16 --modes int4 --dtype float32 --paged-ab  # the kernel on/off
+    python bench/steps.py --batch 64 --modes w8a8_int8 --kv-cache-dtypes auto bfloat16
 
 On a noisy VM two runs of the same engine can differ by 30%; alternating the modes' steps
 lets them share the same noise. Each mode gets its own runner and `--batch` prompts of
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine import engine_core  # noqa: E402
 from bench.serving import make_prompts  # noqa: E402
-from shared.config import QUANTIZATIONS  # noqa: E402
+from shared.config import KV_CACHE_DTYPES, QUANTIZATIONS  # noqa: E402
 from shared.model_files import resolve_model  # noqa: E402
 from workers.scheduler.attention_tuning import AttentionChoice  # noqa: E402
 from workers.scheduler.model_runner import TorchModelRunner  # noqa: E402
@@ -36,6 +37,7 @@ def engine(
     steps: int,
     dtype: str,
     compile_max_bs: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[TorchModelRunner, Scheduler]:
     blocks = len(prompts) * -(-(len(prompts[0]) + steps + 16) // 16)
     runner = TorchModelRunner.load(
@@ -45,6 +47,7 @@ def engine(
         dtype,
         quantization=quantization,
         torch_compile_max_bs=compile_max_bs,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return runner, engine_core(runner, prompts, steps)
 
@@ -72,17 +75,29 @@ def main() -> None:
         action="store_true",
         help="each mode with decode attention on torch's paths and on the paged kernel",
     )
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        nargs="+",
+        choices=KV_CACHE_DTYPES,
+        default=["auto"],
+        help="each mode with each of these KV cache dtypes",
+    )
     args = parser.parse_args()
     if args.compile and args.paged_ab:
         parser.error("--paged-ab changes kernels after load, where compiled graphs are fixed")
+    if args.kv_cache_dtypes != ["auto"] and (args.compile or args.paged_ab):
+        parser.error("--kv-cache-dtypes goes alone (neither --compile nor --paged-ab)")
     model_path = resolve_model("")
     prompts = make_prompts(model_path, args.batch, args.input_len)
     total = 1 + args.warmup + args.steps  # the prefill, then decodes
-    variants = [(m, 0) for m in args.modes]
+    variants = [(m, 0, kv) for m in args.modes for kv in args.kv_cache_dtypes]
     if args.compile:
-        variants += [(m, args.batch) for m in args.modes]
-    engines = [engine(model_path, m, prompts, total, args.dtype, bs) for m, bs in variants]
-    names = [f"{m} + torch.compile" if bs else m for m, bs in variants]
+        variants += [(m, args.batch, "auto") for m in args.modes]
+    engines = [engine(model_path, m, prompts, total, args.dtype, bs, kv) for m, bs, kv in variants]
+    names = [
+        f"{m}{' + torch.compile' if bs else ''}{f', kv {kv}' if kv != 'auto' else ''}"
+        for m, bs, kv in variants
+    ]
     if args.paged_ab:
         engines += [engine(model_path, m, prompts, total, args.dtype) for m in args.modes]
         names = [f"{m}, torch attention" for m in args.modes]

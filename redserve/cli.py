@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shared.config import QUANTIZATIONS, Settings
+from shared.config import KV_CACHE_DTYPES, QUANTIZATIONS, Settings
 from shared.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,11 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
         "scheduler.torch_compile_max_bs",
         int,
         "largest decode batch that runs compiled (default 1; each size compiles apart)",
+    ),
+    "--kv-cache-dtype": (
+        "scheduler.kv_cache_dtype",
+        KV_CACHE_DTYPES,
+        "auto (the model's dtype) or bfloat16: a bf16 cache under an fp32 model",
     ),
     "--kv-memory-fraction": (
         "scheduler.kv_memory_fraction",

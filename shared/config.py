@@ -49,6 +49,9 @@ class ApiSettings(BaseModel):
 
 Quantization = Literal["none", "int4", "w8a8_int8"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+# SGLang's --kv-cache-dtype names ("auto" = the model's dtype; "bf16" = "bfloat16").
+KvCacheDtype = Literal["auto", "bfloat16", "bf16"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 
 class SchedulerSettings(BaseModel):
@@ -72,6 +75,10 @@ class SchedulerSettings(BaseModel):
     # needs a compiler.
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 1
+    # "bfloat16" stores K/V in bf16 under an fp32 model: half the cache's memory and half
+    # what decode attention reads per step, for rounding K/V to bf16 (not exact: fp32 with
+    # "auto" stays the reference). What it costs and saves: workers/scheduler/model_runner.py.
+    kv_cache_dtype: KvCacheDtype = "auto"
     block_size: int = 16
     # The KV cache takes kv_memory_fraction of the memory available once the weights are
     # loaded (CPU: RAM within the cgroup limit; CUDA: free GPU memory), capped at

@@ -47,7 +47,7 @@ def test_the_faster_sdpa_dtype_wins_and_the_matmuls_beat_a_slow_sdpa(
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", slowed)
     attention = Attention(ARGS)
-    choice = choose_attention(attention, torch.bfloat16)
+    choice = choose_attention(attention, torch.bfloat16, torch.bfloat16)
     assert choice.upcast_sdpa is (slow_dtype == torch.bfloat16)
     assert attention.upcast_sdpa is choice.upcast_sdpa
     assert choice.matmul_decodes
@@ -55,9 +55,12 @@ def test_the_faster_sdpa_dtype_wins_and_the_matmuls_beat_a_slow_sdpa(
 
 @pytest.mark.skipif(kernel_library() is None, reason="no C compiler: no paged decode kernel")
 @pytest.mark.parametrize("slow", ["kernel", "torch paths"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_paged_kernel_serves_decodes_only_when_it_ran_fastest(
-    monkeypatch: pytest.MonkeyPatch, slow: str
+    monkeypatch: pytest.MonkeyPatch, slow: str, dtype: torch.dtype
 ) -> None:
+    """bf16 runners, and fp32 ones over a bf16 cache (`--kv-cache-dtype bfloat16`)."""
+
     def slowed(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
             time.sleep(0.02)
@@ -70,5 +73,5 @@ def test_the_paged_kernel_serves_decodes_only_when_it_ran_fastest(
     else:
         monkeypatch.setattr(F, "scaled_dot_product_attention", slowed(sdpa_of_torch))
         monkeypatch.setattr(Attention, "_attend_decodes", slowed(Attention._attend_decodes))
-    choice = choose_attention(Attention(ARGS), torch.bfloat16)
+    choice = choose_attention(Attention(ARGS), dtype, torch.bfloat16)
     assert choice.paged_decodes is (slow == "torch paths")

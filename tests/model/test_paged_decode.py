@@ -43,7 +43,14 @@ def reference(
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("build", ["native", "portable"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
@@ -56,10 +63,12 @@ def test_the_kernel_follows_fp32_sdpa_over_scattered_blocks(
     block_size: int,
     build: str,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Both builds: this CPU's (AVX-512 paths where it has them) and the plain loops
-    (-mno-avx512f), which other CPUs run; bf16 and fp32 caches."""
+    (-mno-avx512f), which other CPUs run; bf16 and fp32 caches, and fp32 queries over a bf16
+    cache (`--kv-cache-dtype bfloat16` on an fp32 model)."""
     if build == "portable":
         if platform.machine() != "x86_64" or (library := build_kernel(("-mno-avx512f",))) is None:
             pytest.skip("the portable build is checked on x86-64")
@@ -70,30 +79,33 @@ def test_the_kernel_follows_fp32_sdpa_over_scattered_blocks(
     num_blocks = len(lengths) * width + 7
     slots = num_blocks * block_size
     k_cache, v_cache = (
-        torch.randn(kv_heads, slots, head_dim, generator=gen).to(dtype) for _ in range(2)
+        torch.randn(kv_heads, slots, head_dim, generator=gen).to(kv_dtype) for _ in range(2)
     )
     tables = torch.randperm(num_blocks, generator=gen)[: len(lengths) * width]
     tables = tables.view(len(lengths), width).to(torch.int32)
     # q as the model hands it over: rows of a wider [B, heads + 2 kv heads, d] tensor.
     qkv = torch.randn(len(lengths), heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q = qkv[:, :heads]
-    assert not q.is_contiguous() and kernel_fits(q, kv_heads)
+    assert not q.is_contiguous() and kernel_fits(q, kv_dtype, kv_heads)
     out = paged_decode(q, k_cache, v_cache, tables, lengths.to(torch.int32), block_size)
     expected = reference(q, k_cache, v_cache, tables, lengths, block_size)
     assert out.dtype == dtype and out.shape == q.shape
-    # bf16: its output rounding, 2^-9 of the value (fp32 everywhere before it); fp32: the
-    # order of the sums.
+    # bf16: its output rounding, 2^-9 of the value (fp32 everywhere before it); fp32 (over
+    # either cache): the order of the sums.
     tolerance = 4e-3 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
 def test_the_kernel_is_offered_only_where_it_applies() -> None:
     bf16 = torch.zeros(2, 9, 64, dtype=torch.bfloat16)
-    assert kernel_fits(bf16, 3)
-    assert kernel_fits(bf16.float(), 3)
-    assert not kernel_fits(bf16.half(), 3)
-    assert not kernel_fits(bf16, 2)  # heads not a multiple of kv heads
-    assert not kernel_fits(torch.zeros(2, 9, 512, dtype=torch.bfloat16), 3)  # head_dim > 256
+    assert kernel_fits(bf16, torch.bfloat16, 3)
+    assert kernel_fits(bf16.float(), torch.float32, 3)
+    assert kernel_fits(bf16.float(), torch.bfloat16, 3)  # fp32 queries over a bf16 cache
+    assert not kernel_fits(bf16, torch.float32, 3)
+    assert not kernel_fits(bf16.half(), torch.float16, 3)
+    assert not kernel_fits(bf16, torch.bfloat16, 2)  # heads not a multiple of kv heads
+    big = torch.zeros(2, 9, 512, dtype=torch.bfloat16)
+    assert not kernel_fits(big, torch.bfloat16, 3)  # head_dim > 256
 
 
 @pytest.fixture(scope="module")
@@ -147,18 +159,23 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     assert torch.tensor([1e-40]).mul(1.0).item() > 0
 
 
-def test_only_quantized_fp32_runners_time_the_kernels(
+def test_only_inexact_fp32_runners_time_the_kernels(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fp32 without quantization is the exact reference: its decodes stay on SDPA, untimed.
-    A quantized fp32 runner is inexact anyway: its attention kernels are timed at load."""
-    timed: list[torch.dtype] = []
+    """fp32 without quantization, over its own cache, is the exact reference: its decodes
+    stay on SDPA, untimed. A quantized fp32 runner, or one over a bf16 cache, is inexact
+    anyway: its attention kernels are timed at load."""
+    timed: list[tuple[torch.dtype, torch.dtype]] = []
     choice = AttentionChoice(upcast_sdpa=True, matmul_decodes=False, paged_decodes=True)
-    monkeypatch.setattr(model_runner, "choose_attention", lambda _, d: timed.append(d) or choice)
+    monkeypatch.setattr(
+        model_runner, "choose_attention", lambda _, *dtypes: timed.append(dtypes) or choice
+    )
     exact = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE)
     assert not timed and not exact.paged_decodes and not exact.matmul_decodes
     quantized = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, quantization="int4")
-    assert timed == [torch.float32] and quantized.paged_decodes
+    assert timed == [(torch.float32, torch.float32)] and quantized.paged_decodes
+    bf16_cache = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, kv_cache_dtype="bfloat16")
+    assert timed[1:] == [(torch.float32, torch.bfloat16)] and bf16_cache.paged_decodes
 
 
 def test_inputs_the_kernel_would_misread_are_refused() -> None:
@@ -168,7 +185,8 @@ def test_inputs_the_kernel_would_misread_are_refused() -> None:
     assert paged_decode(q, cache, cache, tables, lengths, 16).shape == q.shape
     for bad in (
         (q, cache, cache, tables.long(), lengths),  # int64 block ids
-        (q, cache.float(), cache.float(), tables, lengths),  # caches of another dtype
+        (q, cache.float(), cache.float(), tables, lengths),  # fp32 caches under bf16 queries
+        (q.float(), cache, cache.float(), tables, lengths),  # K and V of different dtypes
         (q, cache.transpose(1, 2), cache, tables, lengths),  # a strided cache
         (q, cache, cache, tables[:1], lengths),  # a table short of rows
     ):

@@ -62,6 +62,7 @@ def build_loop(settings: Settings) -> SchedulerLoop:
         sched.num_threads,
         kv_memory_fraction=sched.kv_memory_fraction,
         quantization=sched.quantization,
+        kv_cache_dtype=sched.kv_cache_dtype,
         torch_compile_max_bs=sched.torch_compile_max_bs if sched.enable_torch_compile else 0,
     )
     args = runner.model.args

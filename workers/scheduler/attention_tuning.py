@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,21 +34,24 @@ class AttentionChoice:
 
 
 @torch.inference_mode()
-def choose_attention(attention: Attention, dtype: torch.dtype, repeats: int = 5) -> AttentionChoice:
+def choose_attention(
+    attention: Attention, dtype: torch.dtype, kv_dtype: torch.dtype, repeats: int = 5
+) -> AttentionChoice:
     """Times SDPA with and without the upcast on a prefill-shaped call, then the decode
     matmuls, SDPA (as just chosen) and the paged kernel on a decode-shaped one; median of
-    `repeats`."""
-    prefill, prefill_inputs = _prefill_group(attention, dtype)
+    `repeats`. Queries in `dtype`, the cache in `kv_dtype`."""
+    prefill, prefill_inputs = _prefill_group(attention, dtype, kv_dtype)
     attention.upcast_sdpa = True
     upcast = _median_time(lambda: attention._attend_group(*prefill_inputs, prefill), repeats)
     attention.upcast_sdpa = False
     native = _median_time(lambda: attention._attend_group(*prefill_inputs, prefill), repeats)
     upcast_sdpa = attention.upcast_sdpa = upcast < native
-    decode, decode_inputs, score_bias = _decode_group(attention, dtype)
+    decode, decode_inputs, score_bias = _decode_group(attention, dtype, kv_dtype)
     sdpa = _median_time(lambda: attention._attend_group(*decode_inputs, decode), repeats)
-    matmuls = _median_time(lambda: attention._attend_decodes(*decode_inputs, score_bias), repeats)
+    by_matmuls = replace(decode, score_bias=score_bias)  # takes Attention._attend_decodes
+    matmuls = _median_time(lambda: attention._attend_group(*decode_inputs, by_matmuls), repeats)
     paged = float("inf")
-    if kernel_fits(decode_inputs[0], attention.num_kv_heads):
+    if kernel_fits(decode_inputs[0], kv_dtype, attention.num_kv_heads):
         paged_inputs = _paged_inputs(decode_inputs)
         paged = _median_time(lambda: paged_decode(*paged_inputs), repeats)
     return AttentionChoice(
@@ -84,19 +87,24 @@ def _paged_inputs(
 
 
 def _inputs(
-    attention: Attention, dtype: torch.dtype, queries: int, seqs: int, context: int
+    attention: Attention,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    queries: int,
+    seqs: int,
+    context: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random q rows [queries, heads, head_dim] and a context [kv_heads, seqs, context, d]."""
+    """Random q rows [queries, heads, head_dim] and a context [kv_heads, seqs, context, d],
+    in `dtypes` (queries', cache's)."""
     kv_shape = (attention.num_kv_heads, seqs, context, attention.head_dim)
     return (
-        torch.randn(queries, attention.num_heads, attention.head_dim).to(dtype),
-        torch.randn(kv_shape).to(dtype),
-        torch.randn(kv_shape).to(dtype),
+        torch.randn(queries, attention.num_heads, attention.head_dim).to(dtypes[0]),
+        torch.randn(kv_shape).to(dtypes[1]),
+        torch.randn(kv_shape).to(dtypes[1]),
     )
 
 
 def _prefill_group(
-    attention: Attention, dtype: torch.dtype
+    attention: Attention, dtype: torch.dtype, kv_dtype: torch.dtype
 ) -> tuple[AttentionGroup, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     seqs, new, context = PREFILL_SHAPE
     key_pos = torch.arange(context)
@@ -104,11 +112,11 @@ def _prefill_group(
     mask = (key_pos <= q_pos).expand(seqs, 1, new, context)
     rows = torch.arange(seqs * new)
     group = AttentionGroup(token_index=rows, padded_index=rows, kv_rows=rows, mask=mask)
-    return group, _inputs(attention, dtype, seqs * new, seqs, context)
+    return group, _inputs(attention, (dtype, kv_dtype), seqs * new, seqs, context)
 
 
 def _decode_group(
-    attention: Attention, dtype: torch.dtype
+    attention: Attention, dtype: torch.dtype, kv_dtype: torch.dtype
 ) -> tuple[AttentionGroup, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     seqs, context = DECODE_SHAPE
     lengths = torch.linspace(context // 2, context, seqs).long()
@@ -116,4 +124,4 @@ def _decode_group(
     score_bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")).view(1, seqs, 1, -1)
     rows = torch.arange(seqs)
     group = AttentionGroup(token_index=rows, padded_index=rows, kv_rows=rows, mask=mask)
-    return group, _inputs(attention, dtype, seqs, seqs, context), score_bias
+    return group, _inputs(attention, (dtype, kv_dtype), seqs, seqs, context), score_bias

@@ -221,8 +221,9 @@ class Attention(nn.Module):
         # q and k heads rotated in one go: half the ops per layer of rotating them apart.
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache  # [kv_heads, slots, head_dim] each
-        k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+        # (bf16 under an fp32 model with --kv-cache-dtype bfloat16: rounded as stored)
+        k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = self._attend(q, k_cache, v_cache, batch)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -258,6 +259,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention output [Tg, heads, head_dim] of the group's query rows `q`."""
         num_seqs, _, max_q, _ = group.mask.shape
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under fp32
         if group.score_bias is not None:
             return self._attend_decodes(q, keys, values, group.score_bias)
         if max_q == 1:  # decodes: one query per sequence, no padding

@@ -1,4 +1,5 @@
-/* Decode attention over the paged KV cache, read in place (bf16 or fp32 storage, fp32 math).
+/* Decode attention over the paged KV cache, read in place (bf16 or fp32 storage, fp32 math;
+ * queries bf16 over bf16, fp32 over fp32 or fp32 over bf16).
  * Built at load by paged_decode.py (gcc -O3 -march=native -ffast-math -fopenmp, linked
  * without -ffast-math); the OpenMP runtime is the one torch already loaded (same soname),
  * so this shares its threads.
@@ -171,23 +172,24 @@ INLINE void weigh_block(const void *vb, int n, int D, int G, const float *scores
 INLINE int decode_task(int b, int h, const void *q, int64_t q_stride, const void *k,
                        const void *v, void *out, const int32_t *tables, int max_blocks,
                        const int32_t *lens, int H, int KVH, int D, int64_t slots,
-                       int block_size, float scale, int bf16) {
+                       int block_size, float scale, int q_bf16, int kv_bf16) {
     int G = H / KVH, len = lens[b];
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], denom[MAX_GROUP];
     float *scores = malloc(sizeof(float) * (size_t)G * (size_t)len);
     if (scores == NULL) return 1;
     const int32_t *table = tables + (size_t)b * max_blocks;
-    const void *kh = at(k, (size_t)h * slots * D, bf16), *vh = at(v, (size_t)h * slots * D, bf16);
+    const void *kh = at(k, (size_t)h * slots * D, kv_bf16);
+    const void *vh = at(v, (size_t)h * slots * D, kv_bf16);
     size_t block_elems = (size_t)block_size * D;
     for (int g = 0; g < G; g++)
         for (int d = 0; d < D; d++)
-            qf[g][d] = load1(q, b * q_stride + (size_t)(h * G + g) * D + d, bf16) * scale;
+            qf[g][d] = load1(q, b * q_stride + (size_t)(h * G + g) * D + d, q_bf16) * scale;
     for (int start = 0, blk = 0; start < len; start += block_size, blk++) {
         int n = len - start < block_size ? len - start : block_size;
         if (start + block_size < len)
-            prefetch_block(at(kh, table[blk + 1] * block_elems, bf16), n, D, bf16);
-        score_block(at(kh, table[blk] * block_elems, bf16), n, D, G, qf, scores, len, start,
-                    bf16);
+            prefetch_block(at(kh, table[blk + 1] * block_elems, kv_bf16), n, D, kv_bf16);
+        score_block(at(kh, table[blk] * block_elems, kv_bf16), n, D, G, qf, scores, len, start,
+                    kv_bf16);
     }
     for (int g = 0; g < G; g++) {
         float *sg = scores + (size_t)g * len, top = sg[0], sum = 0.f;
@@ -203,15 +205,15 @@ INLINE int decode_task(int b, int h, const void *q, int64_t q_stride, const void
     for (int start = 0, blk = 0; start < len; start += block_size, blk++) {
         int n = len - start < block_size ? len - start : block_size;
         if (start + block_size < len)
-            prefetch_block(at(vh, table[blk + 1] * block_elems, bf16), n, D, bf16);
-        weigh_block(at(vh, table[blk] * block_elems, bf16), n, D, G, scores, len, start, acc,
-                    bf16);
+            prefetch_block(at(vh, table[blk + 1] * block_elems, kv_bf16), n, D, kv_bf16);
+        weigh_block(at(vh, table[blk] * block_elems, kv_bf16), n, D, G, scores, len, start, acc,
+                    kv_bf16);
     }
     for (int g = 0; g < G; g++) {
         float inv = 1.f / denom[g];
         size_t row = ((size_t)b * H + h * G + g) * D;
         for (int d = 0; d < D; d++) {
-            if (bf16)
+            if (q_bf16)
                 ((uint16_t *)out)[row + d] = float_to_bf16(acc[g][d] * inv);
             else
                 ((float *)out)[row + d] = acc[g][d] * inv;
@@ -228,21 +230,24 @@ static int bad_shape(const int32_t *lens, int B, int H, int KVH, int D) {
     return 0;
 }
 
-/* q: [B, H, D] with rows `q_stride` elements apart; k, v: [KVH, slots, D]; out: [B, H, D];
- * tables: [B, max_blocks]; lens: [B] (context length, the new token's K/V included).
- * Returns 0, -1 for shapes the kernel does not take, -2 when out of memory. */
-#define ENTRY_POINT(name, elem, bf16)                                                          \
-    int name(const elem *q, int64_t q_stride, const elem *k, const elem *v, elem *out,        \
-             const int32_t *tables, int max_blocks, const int32_t *lens, int B, int H,         \
-             int KVH, int D, int64_t slots, int block_size, float scale) {                     \
+/* q: [B, H, D] with rows `q_stride` elements apart; k, v: [KVH, slots, D]; out: [B, H, D]
+ * (q's type); tables: [B, max_blocks]; lens: [B] (context length, the new token's K/V
+ * included). Returns 0, -1 for shapes the kernel does not take, -2 when out of memory. */
+#define ENTRY_POINT(name, q_elem, kv_elem, q_bf16, kv_bf16)                                     \
+    int name(const q_elem *q, int64_t q_stride, const kv_elem *k, const kv_elem *v,            \
+             q_elem *out, const int32_t *tables, int max_blocks, const int32_t *lens, int B,   \
+             int H, int KVH, int D, int64_t slots, int block_size, float scale) {              \
         if (bad_shape(lens, B, H, KVH, D)) return -1;                                          \
         int failed = 0;                                                                        \
         _Pragma("omp parallel for schedule(dynamic, 1) reduction(| : failed)")                 \
         for (int task = 0; task < B * KVH; task++)                                             \
             failed |= decode_task(task / KVH, task % KVH, q, q_stride, k, v, out, tables,      \
-                                  max_blocks, lens, H, KVH, D, slots, block_size, scale, bf16); \
+                                  max_blocks, lens, H, KVH, D, slots, block_size, scale,       \
+                                  q_bf16, kv_bf16);                                            \
         return failed ? -2 : 0;                                                                \
     }
 
-ENTRY_POINT(paged_decode_bf16, uint16_t, 1)
-ENTRY_POINT(paged_decode_f32, float, 0)
+ENTRY_POINT(paged_decode_bf16, uint16_t, uint16_t, 1, 1)
+ENTRY_POINT(paged_decode_f32, float, float, 0, 0)
+/* fp32 queries over a bf16 cache (`--kv-cache-dtype bfloat16` on an fp32 model) */
+ENTRY_POINT(paged_decode_f32_bf16kv, float, uint16_t, 0, 1)

@@ -1,6 +1,7 @@
-"""Decode attention that reads K/V in place from the paged cache on CPU (bf16 caches, and fp32
-ones of quantized runners: plain fp32 stays on SDPA, the exact reference): a small C kernel
-(paged_decode.c) built with gcc when the scheduler loads, called through ctypes.
+"""Decode attention that reads K/V in place from the paged cache on CPU (bf16 caches under bf16
+or fp32 queries, and fp32 ones of quantized runners: plain fp32 stays on SDPA, the exact
+reference): a small C kernel (paged_decode.c) built with gcc when the scheduler loads,
+called through ctypes.
 
 The torch path gathers every decoding sequence's context blocks into a fresh [kv_heads, B,
 Lk, head_dim] tensor per layer, then runs two batched matmuls and a softmax over it: at 16
@@ -66,19 +67,19 @@ def build_kernel(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
                 return None
         lib = ctypes.CDLL(str(library))  # mapped: the file may go
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    for function in (lib.paged_decode_bf16, lib.paged_decode_f32):
+    for function in (lib.paged_decode_bf16, lib.paged_decode_f32, lib.paged_decode_f32_bf16kv):
         function.restype = i32
         function.argtypes = [pointer, i64, pointer, pointer, pointer, pointer, i32, pointer]
         function.argtypes += [i32, i32, i32, i32, i64, i32, ctypes.c_float]
     return lib
 
 
-def kernel_fits(query: torch.Tensor, kv_heads: int) -> bool:
+def kernel_fits(query: torch.Tensor, kv_dtype: torch.dtype, kv_heads: int) -> bool:
     """Whether the kernel can serve decodes of query rows like `query` [B, heads, head_dim]
-    (and builds here)."""
+    over a cache of `kv_dtype` (and builds here)."""
     _, heads, head_dim = query.shape
     return (
-        query.dtype in (torch.bfloat16, torch.float32)
+        (query.dtype, kv_dtype) in _ENTRY_POINTS
         and query.device.type == "cpu"
         and head_dim <= MAX_HEAD_DIM
         and heads % kv_heads == 0
@@ -118,22 +119,25 @@ def _run(
         q = q.contiguous()
     # The C side reads raw pointers: a wrong dtype or layout would read out of bounds.
     # (Plain comparisons: this runs once per layer, and generators cost ~1 us a call.)
+    function = _ENTRY_POINTS.get((q.dtype, k_cache.dtype))
     if not (
-        block_tables.dtype == context_lens.dtype == torch.int32
-        and k_cache.dtype == v_cache.dtype == q.dtype
-        and q.dtype in (torch.bfloat16, torch.float32)
+        function is not None
+        and block_tables.dtype == context_lens.dtype == torch.int32
+        and v_cache.dtype == k_cache.dtype
         and context_lens.shape[0] == block_tables.shape[0] == q.shape[0]
         and block_tables.is_contiguous()
         and context_lens.is_contiguous()
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     ):
-        raise ValueError("paged_decode: int32 contiguous tables, contiguous caches of q's dtype")
+        raise ValueError(
+            "paged_decode: int32 contiguous tables; contiguous caches of q's dtype (bf16 or "
+            "fp32) or bf16 under fp32 queries"
+        )
     num_seqs, heads, head_dim = q.shape
     kv_heads, slots, _ = k_cache.shape
     out = q.new_empty((num_seqs, heads, head_dim))
-    function = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
-    status = function(
+    status = getattr(lib, function)(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
@@ -153,6 +157,14 @@ def _run(
     if status:
         raise RuntimeError(f"paged decode kernel failed ({status})")
     return out
+
+
+# (query dtype, cache dtype) -> the C entry point
+_ENTRY_POINTS = {
+    (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
+    (torch.float32, torch.float32): "paged_decode_f32",
+    (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv",
+}
 
 
 @torch.library.custom_op("redserve::paged_decode", mutates_args=())
