@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from shared.config import KV_CACHE_DTYPES, QUANTIZATIONS, Settings
 from shared.logging_setup import configure_logging
 
@@ -99,13 +101,25 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=typ, default=None, help=flag_help)
 
 
+class SettingsError(ValueError):
+    """A setting out of its range, named as the user gave it (flag or variable)."""
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Environment (REDSERVE_*) first, then the flags given on the command line."""
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as e:
+        error = e.errors()[0]
+        name = "REDSERVE_" + "__".join(str(part).upper() for part in error["loc"])
+        raise SettingsError(f"{name}={error.get('input')!r}: {error['msg']}") from None
     for flag, (path, _typ, _help) in _FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
-            _set_path(settings, path, value)
+            try:
+                _set_path(settings, path, value)
+            except ValidationError as e:
+                raise SettingsError(f"{flag} {value}: {e.errors()[0]['msg']}") from None
     return settings
 
 
@@ -136,8 +150,12 @@ def _tier_main(command: str) -> Callable[[Settings], None]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    settings = settings_from_args(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except SettingsError as e:
+        parser.error(str(e))
     configure_logging(settings.log_level, args.command)
     if args.command == "health":
         from redserve.health import check

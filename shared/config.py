@@ -13,7 +13,7 @@ import uuid
 from functools import lru_cache
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,30 +21,36 @@ def _default_instance_id() -> str:
     return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
-class ApiSettings(BaseModel):
+class _Checked(BaseModel):
+    """Values are checked as they are set too: CLI flags are applied field by field."""
+
+    model_config = ConfigDict(validate_assignment=True)
+
+
+class ApiSettings(_Checked):
     host: str = "127.0.0.1"
-    port: int = 30000
+    port: int = Field(default=30000, ge=0, le=65535)
     # Identifies this api replica: the detokenizer routes text to `out:{api_id}`.
     api_id: str = Field(default_factory=_default_instance_id)
     served_model_name: str | None = None
     # How long an idle waiter sleeps before it checks whether the client went away.
-    disconnect_check_s: float = 0.5
+    disconnect_check_s: float = Field(default=0.5, gt=0)
     # A request that has seen no output for this long fails with a 504 instead of hanging.
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = Field(default=600.0, gt=0)
     # Bearer keys accepted on every route but /health; empty = no authentication.
     api_keys: list[str] = Field(default_factory=list)
     # Request bodies above this many bytes get a 413 while they are still being received.
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     # Streaming /generate chunks carry only what is new (SGLang's --incremental-streaming-output)
     # instead of the cumulative text, ids and logprobs.
     incremental_streaming_output: bool = False
     # Caps on parallel sampling (`n`) and on top logprobs per position.
-    max_n: int = 16
-    max_top_logprobs: int = 20
+    max_n: int = Field(default=16, ge=1)
+    max_top_logprobs: int = Field(default=20, ge=0)
     # Dynamic batch tokenizer: concurrent single-text requests share one tokenizer call of at
     # most this many texts, gathered for at most this long once a second one is waiting.
-    tokenizer_batch_size: int = 32
-    tokenizer_batch_timeout_s: float = 0.002
+    tokenizer_batch_size: int = Field(default=32, ge=1)
+    tokenizer_batch_timeout_s: float = Field(default=0.002, ge=0)
 
 
 Quantization = Literal["none", "int4", "w8a8_int8"]
@@ -54,7 +60,7 @@ KvCacheDtype = Literal["auto", "bfloat16", "bf16"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 
-class SchedulerSettings(BaseModel):
+class SchedulerSettings(_Checked):
     worker_id: str = Field(default_factory=_default_instance_id)
     device: str = "cpu"
     # "auto": bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32 (the exact
@@ -74,53 +80,53 @@ class SchedulerSettings(BaseModel):
     # shorter on 2 AVX2 cores (bench/README.md). Off by default: the startup cost, and it
     # needs a compiler.
     enable_torch_compile: bool = False
-    torch_compile_max_bs: int = 1
+    torch_compile_max_bs: int = Field(default=1, ge=1)
     # "bfloat16" stores K/V in bf16 under an fp32 model: half the cache's memory and half
     # what decode attention reads per step, for rounding K/V to bf16 (not exact: fp32 with
     # "auto" stays the reference). What it costs and saves: workers/scheduler/model_runner.py.
     kv_cache_dtype: KvCacheDtype = "auto"
-    block_size: int = 16
+    block_size: int = Field(default=16, ge=1)
     # The KV cache takes kv_memory_fraction of the memory available once the weights are
     # loaded (CPU: RAM within the cgroup limit; CUDA: free GPU memory), capped at
     # num_kv_blocks blocks, or else at kv_cache_tokens tokens (0 = no cap).
-    kv_memory_fraction: float = 0.3
-    num_kv_blocks: int = 0
-    kv_cache_tokens: int = 0
+    kv_memory_fraction: float = Field(default=0.3, ge=0, le=1)
+    num_kv_blocks: int = Field(default=0, ge=0)
+    kv_cache_tokens: int = Field(default=0, ge=0)
     # Reuse the KV blocks of prompt prefixes seen before (block hashing, LRU eviction).
     enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
+    max_num_seqs: int = Field(default=64, ge=1)
     # Tokens computed in one step, decodes and prefill chunks together: a running stream
     # waits at most one such step for its next token while long prompts are prefilled.
     # Measured through the whole stack on 2 CPU cores (bf16, 128 in / 128 out, bench/README.md):
     # 2048 beat 512 at concurrency 16 (205 vs 198 tok/s, ITL p99 118 vs 159 ms) and 64
     # (187 vs 140 tok/s, ITL p50 217 vs 524 ms): fewer, larger prefill chunks cost less.
-    max_num_batched_tokens: int = 2048
-    num_threads: int = 0  # 0 = torch default
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    num_threads: int = Field(default=0, ge=0)  # 0 = torch default
     # Block for new jobs at most this long when idle.
-    idle_block_ms: int = 50
+    idle_block_ms: int = Field(default=50, ge=1)
 
 
-class DetokenizerSettings(BaseModel):
+class DetokenizerSettings(_Checked):
     # Shards of the token channel this replica subscribes to; empty = all.
     shards: list[int] = Field(default_factory=list)
     # Live per-request decode states kept at most (least recently used evicted beyond).
-    max_states: int = 65536
+    max_states: int = Field(default=65536, ge=1)
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="REDSERVE_", env_nested_delimiter="__", extra="ignore"
+        env_prefix="REDSERVE_", env_nested_delimiter="__", extra="ignore", validate_assignment=True
     )
 
     # Empty = `redserve up` starts a private redis-server; single tiers require it.
     redis_url: str = ""
     key_prefix: str = "rs"
     # Number of `tok:{shard}` channels; each request is routed to one by its rid.
-    num_token_shards: int = 1
+    num_token_shards: int = Field(default=1, ge=1)
     # A Hugging Face folder, a .gguf file, or a hub id; empty = the packaged SmolLM2 GGUF.
     model: str = ""
     cache_dir: str = ""  # where converted GGUF weights are kept; empty = ~/.cache/redserve
-    context_length: int = 0  # 0 = the model's max_position_embeddings
+    context_length: int = Field(default=0, ge=0)  # 0 = the model's max_position_embeddings
     log_level: str = "INFO"
 
     api: ApiSettings = Field(default_factory=ApiSettings)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from redserve.cli import build_parser, settings_from_args
+from redserve.cli import build_parser, main, settings_from_args
 from shared.config import ApiSettings, SchedulerSettings, Settings, child_process_env
 
 
@@ -47,3 +48,41 @@ def test_torch_compile_flags_map_onto_settings() -> None:
     args = parser.parse_args(["up", "--enable-torch-compile", "--torch-compile-max-bs", "4"])
     scheduler = settings_from_args(args).scheduler
     assert scheduler.enable_torch_compile and scheduler.torch_compile_max_bs == 4
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--enable-torch-compile", "--torch-compile-max-bs", "0"], "--torch-compile-max-bs 0"),
+        (["--kv-memory-fraction", "1.5"], "--kv-memory-fraction 1.5"),
+        (["--max-num-seqs", "0"], "--max-num-seqs 0"),
+        (["--port", "70000"], "--port 70000"),
+    ],
+)
+def test_a_flag_out_of_range_is_refused_by_name(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As SGLang's launcher refuses bad arguments: exit 2 with the flag named, instead of
+    compiling nothing (max bs 0) or failing later inside a tier."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["scheduler", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_variable_out_of_range_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("REDSERVE_SCHEDULER__BLOCK_SIZE", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["scheduler"])
+    assert exit_info.value.code == 2
+    assert "REDSERVE_SCHEDULER__BLOCK_SIZE='0'" in capsys.readouterr().err
+    monkeypatch.setenv("REDSERVE_SCHEDULER__BLOCK_SIZE", "32")
+    assert settings_from_args(build_parser().parse_args(["scheduler"])).scheduler.block_size == 32
+
+
+def test_settings_set_in_code_are_checked_too() -> None:
+    scheduler = SchedulerSettings()
+    with pytest.raises(ValidationError):
+        scheduler.idle_block_ms = 0  # XREADGROUP BLOCK 0 would wait forever
