@@ -66,10 +66,11 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     """The KV cache's dtype: the model's for "auto"; bf16 for "bfloat16" (or "bf16"), where
     K/V are rounded to bf16 as they are stored and read back widened to the model's dtype.
     Under an fp32 model that halves the cache (twice the tokens in the same memory) and
-    what a decode step's attention reads: on 2 AVX2 cores, w8a8_int8 engine steps of 64
-    sequences (contexts 128-256) 208 vs 293 ms, the fp32 cache's attention having been ~37
-    ms of a 187 ms step alone. Against the fp32 cache, 160 teacher-forced predictions agree
-    160/160: tests/model/test_kv_cache_dtype.py."""
+    what a decode step's attention reads: on 2 AVX2 cores, engine steps of 64 sequences
+    (contexts 128-256) 190 vs 216 ms with w8a8_int8 and 291 vs 366 ms with int4, the fp32
+    cache's attention having been ~37 ms of a 187 ms w8a8_int8 step (bench/README.md).
+    Against the fp32 cache, 160 teacher-forced predictions agree 160/160:
+    tests/model/test_kv_cache_dtype.py."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype in ("bfloat16", "bf16"):

@@ -67,7 +67,8 @@ def build_kernel(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
                 return None
         lib = ctypes.CDLL(str(library))  # mapped: the file may go
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    for function in (lib.paged_decode_bf16, lib.paged_decode_f32, lib.paged_decode_f32_bf16kv):
+    for name in _ENTRY_POINTS.values():
+        function = getattr(lib, name)
         function.restype = i32
         function.argtypes = [pointer, i64, pointer, pointer, pointer, pointer, i32, pointer]
         function.argtypes += [i32, i32, i32, i32, i64, i32, ctypes.c_float]
