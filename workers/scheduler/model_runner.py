@@ -199,11 +199,11 @@ class TorchModelRunner:
         self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
         self.paged_decodes = False  # decode groups through paged_decode.py's kernel
         shape = (args.num_kv_heads, num_kv_blocks * block_size, args.head_dim)
-        self.kv_dtype = kv_dtype or weight.dtype
+        kv_dtype = kv_dtype or weight.dtype
         self.kv_cache: list[LayerCache] = [
             (
-                torch.zeros(shape, dtype=self.kv_dtype, device=weight.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=weight.device),
+                torch.zeros(shape, dtype=kv_dtype, device=weight.device),
+                torch.zeros(shape, dtype=kv_dtype, device=weight.device),
             )
             for _ in range(args.num_layers)
         ]
