@@ -2,6 +2,7 @@
 Hugging Face `generate()` on the same prompts.
 
     python bench/engine.py --dtype auto --batch 1 4 16 64 --input-len 128 --output-len 128
+    python bench/engine.py --device cuda --cuda-graph-max-bs 64 --skip-hf   # CUDA graphs
 
 Each batch size runs `batch` prompts of exactly --input-len tokens (the text of
 bench/serving.py, rotated so prompts differ) for exactly --output-len tokens, greedy, EOS
@@ -9,7 +10,8 @@ ignored: one prefill step of the whole batch, then one decode step per token. HF
 same token ids as one batch (equal lengths: no padding), greedy, max_new_tokens =
 min_new_tokens = --output-len, in the same dtype. Prints a markdown table: output tok/s
 (batch * output-len / wall time), prefill s (the engine's first step; HF: time to its first
-token), decode step ms p50 (HF: the rest of the wall time per token).
+token), decode step ms p50 (HF: the rest of the wall time per token). On CUDA a step's
+time includes reading its sampled tokens back, which waits for the GPU.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def run_engine(
 
 
 def run_hf(model: Any, prompts: list[list[int]], output_len: int) -> dict[str, float]:
-    input_ids = torch.tensor(prompts)
+    input_ids = torch.tensor(prompts, device=model.device)
     kwargs = {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
@@ -100,6 +102,10 @@ def main() -> None:
     p.add_argument("--model", default="", help="HF folder (default: the packaged SmolLM2)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--quantization", default="none", help="none or int4 (the engine only)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--cuda-graph-max-bs", type=int, default=0, help="CUDA: decode batches graphed (0 = none)"
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -108,18 +114,25 @@ def main() -> None:
     args = p.parse_args()
 
     model_path = resolve_model(args.model)
-    dtype = resolve_dtype(args.dtype, "cpu")
+    dtype = resolve_dtype(args.dtype, args.device)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     max_tokens = max(args.batch) * (args.input_len + args.output_len + 16)
     runner = TorchModelRunner.load(
-        model_path, -(-max_tokens // 16), 16, dtype, quantization=args.quantization
+        model_path,
+        -(-max_tokens // 16),
+        16,
+        dtype,
+        args.device,
+        quantization=args.quantization,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+        hf = hf.to(args.device).eval()
 
     warmup = make_prompts(model_path, 2, args.input_len)
     run_engine(runner, warmup, 4)  # first-call costs (allocator, oneDNN primitives)
@@ -134,9 +147,10 @@ def main() -> None:
 
     command = " ".join(["python", *sys.argv])
     lines = [
-        f"`{command}` ({dtype}, quantization {args.quantization}, "
+        f"`{command}` ({dtype} on {args.device}, quantization {args.quantization}, "
         f"{torch.get_num_threads()} threads, {args.input_len} in / {args.output_len} out, "
-        f"torch {torch.__version__})",
+        f"torch {torch.__version__}"
+        + (f", CUDA graphs up to batch {args.cuda_graph_max_bs})" if runner.graphs else ")"),
         "",
         "| engine | batch | output tok/s | prefill s | decode step ms p50 |",
         "|---|---:|---:|---:|---:|",

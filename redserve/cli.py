@@ -55,6 +55,16 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
         int,
         "largest decode batch that runs compiled (default 1; each size compiles apart)",
     ),
+    "--disable-cuda-graph": (
+        "scheduler.disable_cuda_graph",
+        bool,
+        "CUDA: decode steps run eager instead of replaying CUDA graphs",
+    ),
+    "--cuda-graph-max-bs": (
+        "scheduler.cuda_graph_max_bs",
+        int,
+        "CUDA: largest decode batch that replays a CUDA graph (default 64)",
+    ),
     "--kv-cache-dtype": (
         "scheduler.kv_cache_dtype",
         KV_CACHE_DTYPES,

@@ -81,6 +81,11 @@ class SchedulerSettings(_Checked):
     # needs a compiler.
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = Field(default=1, ge=1)
+    # SGLang's flags: on CUDA, decode steps of up to cuda_graph_max_bs sequences (and at most
+    # max_num_seqs) replay CUDA graphs recorded at start (workers/scheduler/cuda_graphs.py);
+    # on by default there, as in SGLang and vLLM. No effect on CPU.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = Field(default=64, ge=1)
     # "bfloat16" stores K/V in bf16 under an fp32 model: half the cache's memory and half
     # what decode attention reads per step, for rounding K/V to bf16 (not exact: fp32 with
     # "auto" stays the reference). What it costs and saves: workers/scheduler/model_runner.py.
@@ -104,6 +109,11 @@ class SchedulerSettings(_Checked):
     num_threads: int = Field(default=0, ge=0)  # 0 = torch default
     # Block for new jobs at most this long when idle.
     idle_block_ms: int = Field(default=50, ge=1)
+
+    def cuda_graph_batches(self) -> int:
+        """The largest decode batch to record CUDA graphs for (0 = none): no batch is
+        larger than max_num_seqs."""
+        return 0 if self.disable_cuda_graph else min(self.cuda_graph_max_bs, self.max_num_seqs)
 
 
 class DetokenizerSettings(_Checked):

@@ -21,6 +21,8 @@ def test_child_process_env_round_trips_every_setting(monkeypatch: pytest.MonkeyP
             max_num_seqs=7,
             enable_torch_compile=True,
             torch_compile_max_bs=4,
+            disable_cuda_graph=True,
+            cuda_graph_max_bs=8,
         ),
     )
     for key, value in child_process_env(settings).items():
@@ -50,12 +52,25 @@ def test_torch_compile_flags_map_onto_settings() -> None:
     assert scheduler.enable_torch_compile and scheduler.torch_compile_max_bs == 4
 
 
+def test_cuda_graph_flags_map_onto_settings_and_cap_the_recorded_batches() -> None:
+    parser = build_parser()
+    default = settings_from_args(parser.parse_args(["scheduler"])).scheduler
+    assert not default.disable_cuda_graph and default.cuda_graph_batches() == 64
+    args = parser.parse_args(["up", "--cuda-graph-max-bs", "16", "--max-num-seqs", "8"])
+    assert settings_from_args(args).scheduler.cuda_graph_batches() == 8  # no larger batch
+    args = parser.parse_args(["up", "--cuda-graph-max-bs", "16"])
+    assert settings_from_args(args).scheduler.cuda_graph_batches() == 16
+    args = parser.parse_args(["up", "--disable-cuda-graph"])
+    assert settings_from_args(args).scheduler.cuda_graph_batches() == 0
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--enable-torch-compile", "--torch-compile-max-bs", "0"], "--torch-compile-max-bs 0"),
         (["--kv-memory-fraction", "1.5"], "--kv-memory-fraction 1.5"),
         (["--max-num-seqs", "0"], "--max-num-seqs 0"),
+        (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs 0"),
         (["--port", "70000"], "--port 70000"),
     ],
 )

@@ -64,6 +64,7 @@ def build_loop(settings: Settings) -> SchedulerLoop:
         quantization=sched.quantization,
         kv_cache_dtype=sched.kv_cache_dtype,
         torch_compile_max_bs=sched.torch_compile_max_bs if sched.enable_torch_compile else 0,
+        cuda_graph_max_bs=sched.cuda_graph_batches(),
     )
     args = runner.model.args
     max_model_len = min(

@@ -22,6 +22,7 @@ from shared.config import KV_CACHE_DTYPES
 from shared.protocol import SamplingParams
 from workers.scheduler.attention_tuning import AttentionChoice, choose_attention
 from workers.scheduler.compiled import CompiledDecode
+from workers.scheduler.cuda_graphs import GraphedDecode, cuda_capture
 from workers.scheduler.llama import (
     Attention,
     AttentionBatch,
@@ -182,15 +183,18 @@ class TorchModelRunner:
         block_size: int,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
-        """Allocates the KV cache: per layer a K and a V tensor of [kv_heads, num_kv_blocks
-        * block_size slots, head_dim] (head-major, so a block of one head is one contiguous
-        row to gather), zeroed so that padding slots never carry NaNs; in `kv_dtype` (the
-        model's if None)."""
+        """Allocates the KV cache: per layer a K and a V tensor of [kv_heads, (num_kv_blocks
+        + 1) * block_size slots, head_dim] (head-major, so a block of one head is one
+        contiguous row to gather), zeroed so that padding slots never carry NaNs; in
+        `kv_dtype` (the model's if None). Block `num_kv_blocks` is the padding block, which
+        no sequence owns: graphed decode steps (cuda_graphs.py) write their padding rows
+        there."""
         self.model = model
         self.block_size = block_size
         # Masked until min_new_tokens (the scheduler's finish check has the same ids).
         self.eos_token_ids: frozenset[int] = frozenset()
         self.num_kv_blocks = num_kv_blocks
+        self.padding_block = num_kv_blocks
         args, weight = model.args, model.embed_tokens.weight
         self.device = weight.device
         # bf16/fp16 decodes on CPU may take Attention._attend_decodes (`use_attention`);
@@ -198,7 +202,7 @@ class TorchModelRunner:
         # and so does CUDA.
         self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
         self.paged_decodes = False  # decode groups through paged_decode.py's kernel
-        shape = (args.num_kv_heads, num_kv_blocks * block_size, args.head_dim)
+        shape = (args.num_kv_heads, (num_kv_blocks + 1) * block_size, args.head_dim)
         kv_dtype = kv_dtype or weight.dtype
         self.kv_cache: list[LayerCache] = [
             (
@@ -208,6 +212,7 @@ class TorchModelRunner:
             for _ in range(args.num_layers)
         ]
         self.compiled: CompiledDecode | None = None
+        self.graphs: GraphedDecode | None = None
 
     @classmethod
     def load(
@@ -222,12 +227,15 @@ class TorchModelRunner:
         quantization: str = "none",
         torch_compile_max_bs: int = 0,
         kv_cache_dtype: str = "auto",
+        cuda_graph_max_bs: int = 0,
     ) -> TorchModelRunner:
         """Loads the weights (plus compact copies with `quantization`, see quantization.py),
         then sizes the KV cache: at most `num_kv_blocks` blocks and at most
         `kv_memory_fraction` of the memory left once the weights are in (0 = no bound from
         that one). With `torch_compile_max_bs`, decode steps of up to that many sequences
-        run compiled (compiled.py), compiled here. `kv_cache_dtype`: see `resolve_kv_dtype`."""
+        run compiled (compiled.py), compiled here. On CUDA, with `cuda_graph_max_bs`, decode
+        steps of up to that many sequences replay CUDA graphs (cuda_graphs.py), recorded
+        here. `kv_cache_dtype`: see `resolve_kv_dtype`."""
         if num_threads:
             torch.set_num_threads(num_threads)
         if torch.device(device).type == "cpu" and not keep_freed_memory():
@@ -263,6 +271,9 @@ class TorchModelRunner:
         if torch_compile_max_bs:
             runner.compiled = CompiledDecode(model, torch_compile_max_bs)
             runner.compiled.warm_up(runner)
+        if cuda_graph_max_bs and runner.device.type == "cuda":
+            runner.graphs = runner.graphed_decode(cuda_graph_max_bs)
+            runner.graphs.capture_all(cuda_capture())
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s on %s; model in %s)",
             num_kv_blocks,
@@ -283,6 +294,20 @@ class TorchModelRunner:
         self.matmul_decodes = choice.matmul_decodes
         self.paged_decodes = choice.paged_decodes
 
+    def graphed_decode(self, max_batch: int) -> GraphedDecode:
+        """Decode steps of up to `max_batch` sequences over contexts up to the model's
+        longest (or the whole cache), for CUDA graphs; not recorded yet."""
+        max_blocks = -(-self.model.args.max_position_embeddings // self.block_size)
+        return GraphedDecode(
+            self.model,
+            self.kv_cache,
+            self.block_size,
+            self.padding_block,
+            max_batch,
+            max_blocks=min(max_blocks, self.num_kv_blocks),
+            min_blocks=MIN_GATHERED_BLOCKS,
+        )
+
     @property
     def vocab_size(self) -> int:
         return self.model.args.vocab_size
@@ -298,6 +323,8 @@ class TorchModelRunner:
     def forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionBatch]:
         """Final hidden states [T, hidden] of the step's new tokens: `seq.num_new_tokens`
         of each sequence, from `seq.num_computed_tokens` on."""
+        if self.graphs is not None and self.graphs.takes(seqs):
+            return self.graphs(seqs)
         input_ids = torch.tensor(
             [
                 t
@@ -379,7 +406,7 @@ class TorchModelRunner:
         max_q = int(q_len.max())
         blocks = tables[index, : max(MIN_GATHERED_BLOCKS, -(-int(kv_len.max()) // bs))]
         kv_heads = self.model.args.num_kv_heads
-        heads = torch.arange(kv_heads, device=device).view(-1, 1) * self.num_kv_blocks
+        heads = torch.arange(kv_heads, device=device).view(-1, 1) * (self.num_kv_blocks + 1)
         # Row j of sequence b is position start_b + j; padding rows still see key 0, so no
         # softmax row is empty (NaN).
         q_pos = start.unsqueeze(1) + torch.arange(max_q, device=device)
