@@ -23,21 +23,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from workers.scheduler.c_build import build_library
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-# -ffast-math lets gcc vectorize the sums and exp (glibc's vector expf); compiled only, never
-# linked with it: gcc 12 then links crtfastmath.o into the library, which at load turns on
-# flush-to-zero for the whole process (subnormals gone; a hypothesis test caught it).
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
-LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # as the C source's arrays
 
 
@@ -51,21 +45,9 @@ def kernel_library() -> ctypes.CDLL | None:
 def build_kernel(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """The kernel built with `extra_flags` after the usual ones (tests build the portable
     loops with -mno-avx512f)."""
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        logger.info("no C compiler on PATH: decode attention stays on the torch paths")
+    lib = build_library(SOURCE, extra_flags)
+    if lib is None:
         return None
-    with tempfile.TemporaryDirectory(prefix="redserve-kernel-") as folder:
-        built, library = Path(folder) / "paged_decode.o", Path(folder) / "paged_decode.so"
-        for command in (
-            [compiler, *COMPILE_FLAGS, *extra_flags, str(SOURCE), "-o", str(built)],
-            [compiler, *LINK_FLAGS, str(built), "-o", str(library), "-lm"],
-        ):
-            build = subprocess.run(command, capture_output=True, text=True)
-            if build.returncode:
-                logger.warning("the paged decode kernel did not build: %s", build.stderr[-2000:])
-                return None
-        lib = ctypes.CDLL(str(library))  # mapped: the file may go
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for name in _ENTRY_POINTS.values():
         function = getattr(lib, name)

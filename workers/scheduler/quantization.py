@@ -25,6 +25,7 @@ fp32 without it stays the exact, batch-invariant reference.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 
 import torch
@@ -33,6 +34,7 @@ from torch import nn
 from shared.config import QUANTIZATIONS
 from workers.scheduler.llama import LlamaForCausalLM
 from workers.scheduler.tiered import TieredLinear
+from workers.scheduler.w8a8_kernel import FusedW8A8, build_kernel, kernel_fits
 
 INT4_GROUP_SIZE = 32
 
@@ -97,7 +99,7 @@ def quantize_model(
                 continue
             kernels: dict[str, nn.Module] = {"int4": Int4Weights(dense.weight)}
             if input_max is not None and name in DYNAMIC_INT8_PROJECTIONS:
-                kernels["w8a8"] = DynamicInt8(dense.weight, input_max[dense])
+                kernels["w8a8"] = w8a8_kernel(dense.weight, input_max[dense])
             setattr(parent, name, TieredLinear(dense, kernels))
             wrapped += 1
     head = model.lm_head
@@ -105,7 +107,7 @@ def quantize_model(
     if fits(head, bits=8):
         head_kernels: dict[str, nn.Module] = {"int8": Int8Weights(head.weight)}
         if input_max is not None:
-            head_kernels["w8a8"] = DynamicInt8(head.weight, input_max[head])
+            head_kernels["w8a8"] = w8a8_kernel(head.weight, input_max[head])
         model.lm_head = TieredLinear(head, head_kernels)
         wrapped += 1
     return wrapped
@@ -179,6 +181,41 @@ OUTLIER_CHANNELS = 16
 SMOOTHING_ALPHA = 0.7
 
 
+def w8a8_kernel(
+    dense_weight: torch.Tensor, input_max: torch.Tensor, library: ctypes.CDLL | None = None
+) -> nn.Module:
+    """The W8A8 projection: one C call where the CPU has AVX512-VNNI (w8a8_kernel.py;
+    `library`: another build of it, for tests), else fbgemm's GEMM inside torch ops
+    (`DynamicInt8`); the same smoothing either way."""
+    if library is None:
+        if not kernel_fits(dense_weight):
+            return DynamicInt8(dense_weight, input_max)
+        library = build_kernel()
+    smoothed = Smoothed(dense_weight, input_max)
+    scale = (smoothed.weight.abs().amax(1) / 127).clamp(min=1e-10)
+    q = torch.round(smoothed.weight / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    inverse, outliers = smoothed.inverse_smooth, smoothed.outliers
+    outlier_weight = dense_weight.detach()[:, outliers].float()
+    return FusedW8A8(q, scale, inverse, outliers, outlier_weight, library)
+
+
+class Smoothed:
+    """A projection's weight ready for int8 activations: the `OUTLIER_CHANNELS` input
+    channels with the widest calibrated range (`input_max`) set apart, the others smoothed
+    (SmoothQuant: activations divided by s, the weight's columns multiplied by it)."""
+
+    def __init__(self, dense_weight: torch.Tensor, input_max: torch.Tensor) -> None:
+        weight = dense_weight.detach().float()
+        smooth = (
+            input_max.float().clamp(min=1e-5) ** SMOOTHING_ALPHA
+            / weight.abs().amax(0).clamp(min=1e-5) ** (1 - SMOOTHING_ALPHA)
+        ).clamp(min=1e-5)
+        self.outliers = torch.topk(input_max.float(), OUTLIER_CHANNELS).indices.sort().values
+        self.inverse_smooth = 1 / smooth
+        self.inverse_smooth[self.outliers] = 0  # no part in the int8 product
+        self.weight = weight * smooth * (self.inverse_smooth > 0)  # [out, in], fp32
+
+
 class DynamicInt8(nn.Module):
     """int8 weights (per output channel) x int8 activations quantized at run time (7 bits,
     per token: fbgemm's `linear_dynamic` on rows scaled to [-1, 1]). Output in the input's
@@ -195,14 +232,8 @@ class DynamicInt8(nn.Module):
     def __init__(self, dense_weight: torch.Tensor, input_max: torch.Tensor) -> None:
         super().__init__()
         weight = dense_weight.detach().float()
-        smooth = (
-            input_max.float().clamp(min=1e-5) ** SMOOTHING_ALPHA
-            / weight.abs().amax(0).clamp(min=1e-5) ** (1 - SMOOTHING_ALPHA)
-        ).clamp(min=1e-5)
-        outliers = torch.topk(input_max.float(), OUTLIER_CHANNELS).indices.sort().values
-        inverse = 1 / smooth
-        inverse[outliers] = 0  # outlier channels take no part in the int8 product
-        smoothed = weight * smooth * (inverse > 0)
+        smoothing = Smoothed(dense_weight, input_max)
+        smoothed, inverse, outliers = smoothing.weight, smoothing.inverse_smooth, smoothing.outliers
         scale = (smoothed.abs().amax(1) / 127).clamp(min=1e-10).double()
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated in torch 2.13

@@ -1,0 +1,109 @@
+"""The W8A8 projection in C (w8a8_kernel.py): its own math, the dense weights within the
+int8 tolerance, every tile remainder, bf16 and fp32, and the portable loops as well as the
+AVX512-VNNI ones (where this CPU has them)."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from torch import nn
+
+from workers.scheduler import quantization
+from workers.scheduler.quantization import DynamicInt8, w8a8_kernel
+from workers.scheduler.w8a8_kernel import FusedW8A8, build_kernel, kernel_fits
+
+
+def _builds() -> list[tuple[str, ...]]:
+    found = [("-mno-avx512f",)] if platform.machine() == "x86_64" else []
+    lib = build_kernel()
+    if lib is not None and lib.w8a8_vectorized():
+        found.append(())
+    return found
+
+
+BUILDS = pytest.mark.parametrize("flags", _builds(), ids=lambda f: "portable" if f else "vnni")
+
+
+def fused(dense: nn.Linear, input_max: torch.Tensor, flags: tuple[str, ...]) -> FusedW8A8:
+    """`w8a8_kernel`'s FusedW8A8 for `dense`, on the library built with `flags`."""
+    lib = build_kernel(flags)
+    if lib is None:
+        pytest.skip("no C compiler here")
+    kernel = w8a8_kernel(dense.weight, input_max, lib)
+    assert isinstance(kernel, FusedW8A8)
+    return kernel
+
+
+def unpack(kernel: FusedW8A8) -> torch.Tensor:
+    """The int8 weight [out, in] back from its packed layout."""
+    blocks, steps, tile, four = kernel.packed.shape
+    return kernel.packed.transpose(1, 2).reshape(blocks * tile, steps * four)
+
+
+def its_own_math(kernel: FusedW8A8, dense: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes: per-token int8 activations of x * inverse smoothing
+    (scaled in fp32, rounded half to even), exact integer products, the outliers in full."""
+    rows = x.float() * kernel.inverse_smooth
+    scale = rows.abs().amax(1, keepdim=True) / 127
+    q_x = torch.round(rows * (1 / scale)).clamp(-127, 127).double()
+    products = (q_x @ unpack(kernel).double().t()) * scale.double() * kernel.scale.double()
+    outliers = kernel.outliers.long()
+    weight = dense.weight.detach().double()[:, outliers]
+    return products + x.double()[:, outliers] @ weight.t()
+
+
+@BUILDS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 17])
+def test_the_kernel_computes_its_own_math(
+    flags: tuple[str, ...], dtype: torch.dtype, tokens: int
+) -> None:
+    torch.manual_seed(tokens)
+    dense = nn.Linear(132, 192, bias=False)  # 3 tiles of 64 outputs, 33 steps of 4 inputs
+    x = torch.randn(tokens, 132)
+    x[:, [5, 60]] *= 40  # outlier channels
+    kernel = fused(dense, x.abs().amax(0), flags)
+    x = x.to(dtype)
+    got = kernel(x)
+    assert got.dtype == dtype and got.shape == (tokens, 192)
+    expected = its_own_math(kernel, dense, x)
+    # fp32: a rounding tie may land apart (one activation level); bf16: the output's rounding
+    tolerance = 2e-3 if dtype == torch.float32 else 1e-2
+    assert (got.double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@BUILDS
+def test_the_kernel_follows_the_dense_weights_as_fbgemm_does(flags: tuple[str, ...]) -> None:
+    torch.manual_seed(0)
+    dense = nn.Linear(256, 128, bias=False)
+    x = torch.randn(16, 256)
+    x[:, [3, 40, 77]] *= 60
+    input_max = x.abs().amax(0)
+    exact = dense(x).detach()
+    errors = {
+        name: float((kernel(x) - exact).abs().max() / exact.abs().max())
+        for name, kernel in (
+            ("fused", fused(dense, input_max, flags)),
+            ("fbgemm", DynamicInt8(dense.weight, input_max)),
+        )
+    }
+    # 8-bit activations (fbgemm keeps 7): at least as close as fbgemm's, and close
+    assert errors["fused"] < 0.004 and errors["fused"] <= errors["fbgemm"] * 1.1, errors
+
+
+def test_shapes_out_of_whole_tiles_take_fbgemm() -> None:
+    dense = nn.Linear(128, 96)  # 96 outputs: not whole tiles of 64
+    assert not kernel_fits(dense.weight)
+    assert isinstance(w8a8_kernel(dense.weight, torch.ones(128)), DynamicInt8)
+
+
+def test_without_avx512_vnni_the_kernel_is_not_offered(monkeypatch: pytest.MonkeyPatch) -> None:
+    portable = build_kernel(("-mno-avx512f",))
+    if portable is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(quantization, "kernel_fits", lambda weight: False)
+    dense = nn.Linear(128, 128)
+    assert isinstance(w8a8_kernel(dense.weight, torch.ones(128)), DynamicInt8)
+    assert portable.w8a8_vectorized() == 0

@@ -1,0 +1,197 @@
+/* A whole W8A8 projection in one call (`--quantization w8a8_int8`, w8a8_kernel.py): each
+ * token's activations (times the inverse smoothing, outlier channels zeroed) quantized to
+ * int8 with their own scale, int8 x int8 dot products summed in int32, dequantized with the
+ * token's and the output channel's scales, plus the outlier channels' product in fp32;
+ * bf16 or fp32 in and out. Built at load by c_build.py (gcc -O3 -march=native -fopenmp).
+ *
+ * Weights come packed for AVX512-VNNI's vpdpbusd (unsigned x signed bytes, 4 at a time per
+ * 32-bit lane): [N / 64][K / 4][64 channels][4 bytes], so one k-step of 64 channels is 256
+ * contiguous bytes (four zmm registers). Activations go in as q + 128 (unsigned); `colsum`
+ * holds 128 * sum_k w[n][k] to take back out. A tile is 4 tokens x 64 channels: 16 int32
+ * accumulators, the k-step's weights loaded once into registers for all four tokens. One
+ * OpenMP task per 64 channels. Without AVX512-VNNI, plain loops over the same layout (for
+ * the tests; w8a8_kernel.py offers the kernel only where `w8a8_vectorized()` says 1). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512VNNI__
+#include <immintrin.h>
+#endif
+
+#define TILE_N 64
+#define TILE_M 4
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load1(const void *x, size_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+typedef struct {
+    const int8_t *packed;       /* [N / 64][K / 4][64][4] */
+    const int32_t *colsum;      /* [N] 128 * sum_k w[n][k] */
+    const float *scale;         /* [N] per output channel */
+    const int32_t *outliers;    /* [n_out] input channels multiplied apart */
+    const float *outlier_w;     /* [N / 64][n_out][64] */
+    int n_out;
+} Weights;
+
+typedef struct {
+    const uint8_t *q; /* [M][K] q + 128 */
+    const float *scale; /* [M] */
+    const float *outlier_x; /* [M][n_out] */
+} Activations;
+
+/* Per token: x * inverse_smooth scaled to [-127, 127] by its largest |value|. */
+static void quantize(const void *x, int x_bf16, int M, int K, const float *inverse_smooth,
+                     const Weights *w, uint8_t *q, float *scale, float *outlier_x) {
+    for (int m = 0; m < M; m++) {
+        size_t row = (size_t)m * K;
+        float amax = 0.f;
+        for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load1(x, row + k, x_bf16) * inverse_smooth[k]));
+        float s = amax > 1e-30f ? amax / 127.f : 1.f, inv = 1.f / s;
+        for (int k = 0; k < K; k++) {
+            float v = load1(x, row + k, x_bf16) * inverse_smooth[k] * inv;
+            q[row + k] = (uint8_t)((int)nearbyintf(fminf(fmaxf(v, -127.f), 127.f)) + 128);
+        }
+        scale[m] = s;
+        for (int o = 0; o < w->n_out; o++) outlier_x[m * w->n_out + o] = load1(x, row + w->outliers[o], x_bf16);
+    }
+}
+
+/* Output channel n of token m from its int32 sum: dequantized, plus the outliers. */
+static inline float finish1(int32_t sum, int m, int n, const Weights *w, const Activations *a) {
+    float v = (float)(sum - w->colsum[n]) * a->scale[m] * w->scale[n];
+    const float *ow = w->outlier_w + (size_t)(n / TILE_N) * w->n_out * TILE_N + n % TILE_N;
+    for (int o = 0; o < w->n_out; o++) v += a->outlier_x[m * w->n_out + o] * ow[o * TILE_N];
+    return v;
+}
+
+static inline void store1(void *out, size_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)out)[i] = float_to_bf16(v);
+    else
+        ((float *)out)[i] = v;
+}
+
+#ifdef __AVX512VNNI__
+static inline void store16(void *out, size_t i, __m512 v, int bf16) {
+    if (!bf16) {
+        _mm512_storeu_ps((float *)out + i, v);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(rounded));
+}
+
+/* 16 channels n.. of token m from their int32 sums. */
+static void finish16(__m512i sum, int m, int n, const Weights *w, const Activations *a,
+                     void *out, int N, int bf16) {
+    __m512i centred = _mm512_sub_epi32(sum, _mm512_loadu_si512(w->colsum + n));
+    __m512 scale = _mm512_mul_ps(_mm512_set1_ps(a->scale[m]), _mm512_loadu_ps(w->scale + n));
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(centred), scale);
+    const float *ow = w->outlier_w + (size_t)(n / TILE_N) * w->n_out * TILE_N + n % TILE_N;
+    for (int o = 0; o < w->n_out; o++)
+        v = _mm512_fmadd_ps(_mm512_set1_ps(a->outlier_x[m * w->n_out + o]), _mm512_loadu_ps(ow + o * TILE_N), v);
+    store16(out, (size_t)m * N + n, v, bf16);
+}
+
+#define DOT4(s0, s1, s2, s3, row)                                                    \
+    do {                                                                             \
+        __m512i xb = _mm512_set1_epi32(*(const int32_t *)((row) + 4 * k4));           \
+        s0 = _mm512_dpbusd_epi32(s0, xb, w0);                                        \
+        s1 = _mm512_dpbusd_epi32(s1, xb, w1);                                        \
+        s2 = _mm512_dpbusd_epi32(s2, xb, w2);                                        \
+        s3 = _mm512_dpbusd_epi32(s3, xb, w3);                                        \
+    } while (0)
+
+/* Tokens m0..m0+3 (past M: token M-1 again, not stored) x channels 64 * block... */
+static void tile(int m0, int block, int M, int K, int N, const Weights *w, const Activations *a,
+                 void *out, int bf16) {
+    const uint8_t *r0 = a->q + (size_t)m0 * K;
+    const uint8_t *r1 = a->q + (size_t)(m0 + 1 < M ? m0 + 1 : M - 1) * K;
+    const uint8_t *r2 = a->q + (size_t)(m0 + 2 < M ? m0 + 2 : M - 1) * K;
+    const uint8_t *r3 = a->q + (size_t)(m0 + 3 < M ? m0 + 3 : M - 1) * K;
+    __m512i s00 = _mm512_setzero_si512(), s01 = s00, s02 = s00, s03 = s00;
+    __m512i s10 = s00, s11 = s00, s12 = s00, s13 = s00;
+    __m512i s20 = s00, s21 = s00, s22 = s00, s23 = s00;
+    __m512i s30 = s00, s31 = s00, s32 = s00, s33 = s00;
+    const int8_t *p = w->packed + (size_t)block * (K / 4) * 4 * TILE_N;
+    for (int k4 = 0; k4 < K / 4; k4++, p += 4 * TILE_N) {
+        __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64);
+        __m512i w2 = _mm512_loadu_si512(p + 128), w3 = _mm512_loadu_si512(p + 192);
+        /* In registers for all four tokens (gcc would fold them into each vpdpbusd as
+         * memory operands: four times the loads). */
+        __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+        for (int ahead = 2048; ahead < 2048 + 4 * TILE_N; ahead += 64) _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
+        DOT4(s00, s01, s02, s03, r0);
+        DOT4(s10, s11, s12, s13, r1);
+        DOT4(s20, s21, s22, s23, r2);
+        DOT4(s30, s31, s32, s33, r3);
+    }
+    __m512i sums[TILE_M][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23}, {s30, s31, s32, s33}};
+    for (int i = 0; i < TILE_M && m0 + i < M; i++)
+        for (int j = 0; j < 4; j++) finish16(sums[i][j], m0 + i, block * TILE_N + 16 * j, w, a, out, N, bf16);
+}
+#else
+static void tile(int m0, int block, int M, int K, int N, const Weights *w, const Activations *a,
+                 void *out, int bf16) {
+    const int8_t *p = w->packed + (size_t)block * (K / 4) * 4 * TILE_N;
+    for (int m = m0; m < m0 + TILE_M && m < M; m++) {
+        const uint8_t *row = a->q + (size_t)m * K;
+        for (int c = 0; c < TILE_N; c++) {
+            int32_t sum = 0;
+            for (int k = 0; k < K; k++) sum += (int32_t)row[k] * p[(size_t)(k / 4) * 4 * TILE_N + c * 4 + k % 4];
+            int n = block * TILE_N + c;
+            store1(out, (size_t)m * N + n, finish1(sum, m, n, w, a), bf16);
+        }
+    }
+}
+#endif
+
+int w8a8_vectorized(void) {
+#ifdef __AVX512VNNI__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out[M][N] = W8A8(x[M][K]); 0, or 1 for a shape it does not take, 2 out of memory. */
+int w8a8_linear(const void *x, int x_bf16, int M, int K, const float *inverse_smooth,
+                const int8_t *packed, const int32_t *colsum, const float *scale,
+                const int32_t *outliers, int n_out, const float *outlier_w, void *out,
+                int out_bf16, int N) {
+    if (M < 1 || K % 4 || N % TILE_N) return 1;
+    Weights w = {packed, colsum, scale, outliers, outlier_w, n_out};
+    uint8_t *q = malloc((size_t)M * K);
+    float *x_scale = malloc(sizeof(float) * M), *outlier_x = malloc(sizeof(float) * M * (n_out + 1));
+    int status = 2;
+    if (q && x_scale && outlier_x) {
+        quantize(x, x_bf16, M, K, inverse_smooth, &w, q, x_scale, outlier_x);
+        Activations a = {q, x_scale, outlier_x};
+#pragma omp parallel for schedule(static)
+        for (int block = 0; block < N / TILE_N; block++)
+            for (int m0 = 0; m0 < M; m0 += TILE_M) tile(m0, block, M, K, N, &w, &a, out, out_bf16);
+        status = 0;
+    }
+    free(q);
+    free(x_scale);
+    free(outlier_x);
+    return status;
+}
