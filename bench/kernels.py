@@ -10,8 +10,10 @@ skipped where oneDNN has no bf16); torch's
 weight-only packed int8 (per channel) and int4 (groups of 32) kernels with bf16
 activations (their fp32-activation paths are ~10x slower); fbgemm's dynamic int8
 (activations quantized per tensor: fast, but alone 119/160 top-1 agreement with fp32 on the
-real model; `--quantization w8a8_int8` runs it on rows scaled per token with the outlier
-channels apart, see workers/scheduler/quantization.py and bench/README.md).
+real model); and `--quantization w8a8_int8`'s whole projections as the model runs them
+(bf16 activations, smoothing and 16 outlier channels from a calibration input): fbgemm's
+GEMM inside torch ops (`DynamicInt8`), and the C kernel (workers/scheduler/w8a8_kernel.py,
+where the CPU has AVX512-VNNI).
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ from torch import nn  # noqa: E402
 from workers.scheduler.prepacked import PrepackedLinear, can_prepack  # noqa: E402
 from workers.scheduler.quantization import (  # noqa: E402
     INT4_GROUP_SIZE,
+    DynamicInt8,
     int4_groups,
     int8_channels,
+    w8a8_kernel,
 )
+from workers.scheduler.w8a8_kernel import kernel_fits  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 NUM_LAYERS = 30
@@ -65,6 +70,15 @@ def _fbgemm_dynamic(weight: torch.Tensor) -> Kernel:
     return lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
+def _w8a8(make: Callable[[torch.Tensor, torch.Tensor], nn.Module]) -> Callable[..., Kernel]:
+    def build(weight: torch.Tensor) -> Kernel:
+        calibration = torch.randn(64, weight.shape[1]).abs().amax(0)
+        projection = make(weight.to(torch.bfloat16), calibration)
+        return lambda x: projection(x.to(torch.bfloat16))
+
+    return build
+
+
 def _prepacked_bf16(weight: torch.Tensor) -> Kernel:
     dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     dense.weight.data = weight.to(torch.bfloat16)
@@ -87,6 +101,8 @@ KERNELS: dict[str, Callable[[torch.Tensor], Kernel]] = {
     "int8 weight-only (_weight_int8pack_mm)": _int8,
     "int4 weight-only g32 (_weight_int4pack_mm_for_cpu)": _int4,
     "fbgemm dynamic int8 (per-tensor activations)": _fbgemm_dynamic,
+    "W8A8 projection: fbgemm in torch ops (DynamicInt8)": _w8a8(DynamicInt8),
+    "W8A8 projection: C kernel (AVX512-VNNI)": _w8a8(w8a8_kernel),
 }
 
 
@@ -123,6 +139,8 @@ def main() -> None:
     ]
     for name, make in KERNELS.items():
         if make is _prepacked_bf16 and not can_prepack(weights[0].to(torch.bfloat16)):
+            continue
+        if "C kernel" in name and not kernel_fits(weights[0]):
             continue
         kernels = [make(w) for w in weights]
         row = []

@@ -13,10 +13,11 @@ them is close to lossless. The LM head: int8 per output channel (an int4 head co
 reference: tests/model/test_quantization.py. CPU only: the CUDA int4 kernel wants
 another packing.
 
-`w8a8_int8` gives qkv, o and gate_up a third kernel (`DynamicInt8`): fbgemm's int8 x int8,
-2-3x faster than int4 and fp32 from 8 tokens on over AVX2 (bench/kernels.py). Its
-activations are quantized at run time, which this model's outlier channels make lossy; a
-calibration prefill at load (`CALIBRATION_TEXT`) finds them.
+`w8a8_int8` gives qkv, o, gate_up and the head a third kernel, int8 x int8 (`w8a8_kernel`):
+on CPUs with AVX512-VNNI one C call per projection (w8a8_kernel.py), elsewhere fbgemm's
+GEMM inside torch ops (`DynamicInt8`, 2-3x faster than int4 and fp32 from 8 tokens on over
+AVX2; bench/kernels.py). Its activations are quantized at run time, which this model's
+outlier channels make lossy; a calibration prefill at load (`CALIBRATION_TEXT`) finds them.
 
 Which kernel a step takes depends on how many tokens it carries, so with quantization on,
 a request's tokens can differ (rarely) with the batch it shares: quantization is opt-in and

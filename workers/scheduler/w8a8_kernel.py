@@ -4,11 +4,14 @@ outlier channels added, in one pass.
 
 The torch version (`DynamicInt8`: fbgemm's int8 GEMM inside ~10 torch ops) spends more on
 its ops than its GEMM saves at decode sizes: per layer (qkv + gate_up + o, 16 tokens,
-2 Zen 5 cores) 347 us against 172 for prepacked bf16, the GEMM alone 125. Over the 90
-projections of a step, weights coming from memory (`bench/w8a8_kernel.py`): at 16 tokens
-this kernel 6.1 ms, prepacked bf16 8.0, `DynamicInt8` 11.0, int4 9.2; at 64 tokens 15.2,
-16.5, 19.6 and 31.6. Its activations are 8 bits per token where fbgemm's were 7 (fbgemm
-reduces the range), with the same smoothing and outlier channels (quantization.py).
+2 Zen 5 cores) 347 us against 172 for prepacked bf16, the GEMM alone 125. A pass over the
+model's 120 projections (`bench/kernels.py`, weights from memory): at 16 tokens this
+kernel 9.0 ms, prepacked bf16 11.7, `DynamicInt8` 17.2, int4 13.2; at 64 tokens 20.3,
+24.5, 35.5, 47.3. Engine decode steps of `w8a8_int8` against `int4` (which takes
+prepacked bf16 from 16 tokens on): 20.3 vs 24.1 ms at 16 sequences, 45.9 vs 52.9 at 64.
+Its activations keep 8 bits per token where fbgemm's keep 7 (it reduces the range), with
+the same smoothing and outlier channels (quantization.py): top-1 159/160 against fp32
+where fbgemm's gave 155/160 (tests/model/test_quantization.py).
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ typedef struct {
 /* Per token: x * inverse_smooth scaled to [-127, 127] by its largest |value|. */
 static void quantize(const void *x, int x_bf16, int M, int K, const float *inverse_smooth,
                      const Weights *w, uint8_t *q, float *scale, float *outlier_x) {
+#pragma omp parallel for schedule(static) if (M >= 64)
     for (int m = 0; m < M; m++) {
         size_t row = (size_t)m * K;
         float amax = 0.f;
