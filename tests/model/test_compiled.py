@@ -11,6 +11,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from shared.protocol import SamplingParams
+from tests.model.decoding import decode_steps
+from tests.model.random_models import saved_random_model
 from tests.model.test_families import SMALL
 from tests.model.test_model_runner import run_core
 from workers.scheduler import model_runner, paged_decode
@@ -26,19 +28,12 @@ NUM_KV_BLOCKS = 24
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import Qwen3Config
 
-    torch.manual_seed(0)
     # q/k norms: the most ops per layer of our families; contexts of up to 256 tokens.
     small = {**SMALL, "max_position_embeddings": 256}
     config = Qwen3Config(**small, head_dim=16, tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.1)
-    path = tmp_path_factory.mktemp("qwen3")
-    model.save_pretrained(path)
-    return path
+    return saved_random_model(tmp_path_factory, "qwen3", config, weight_std=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +59,10 @@ def test_compiled_decode_steps_give_the_eager_hidden_states(
     prompts = [[5, 9, 2, 7] * 5, [3, 1, 4, 1, 5, 9, 2, 6, 5]]  # 20 and 9 tokens
     hidden, graphs = {}, counters["stats"]["unique_graphs"]
     for name, runner in zip(("eager", "compiled"), runners, strict=True):
-        seqs = []
-        for i, prompt in enumerate(prompts):
-            seq = Sequence(f"r{i}", prompt, SamplingParams(temperature=0))
-            seq.block_table = [4 * i + b for b in range(4)]
-            seq.num_new_tokens = len(prompt)
-            seqs.append(seq)
-        runner.forward(seqs)  # the prefill (eager in both)
-        steps = []
-        for token in range(20):  # contexts cross the block boundaries at 32 and 16
-            for seq in seqs:
-                seq.num_computed_tokens += seq.num_new_tokens
-                seq.append_token(token)
-                seq.num_new_tokens = 1
-            batch = seqs if token % 3 else seqs[:1]  # sizes 2 and 1
-            steps.append(runner.forward(batch)[0])
-        hidden[name] = torch.cat(steps)
+        # prefill eager in both; contexts cross the block boundaries at 32 and 16
+        hidden[name] = decode_steps(
+            runner, lambda seqs, r=runner: r.forward(seqs)[0], prompts, batch_sizes=(1, 2, 2)
+        )
     torch.testing.assert_close(hidden["compiled"], hidden["eager"], rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == graphs  # contexts of 1-3 blocks, no compile
 

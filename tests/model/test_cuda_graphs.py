@@ -16,6 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shared.protocol import SamplingParams
+from tests.model.decoding import decode_steps
+from tests.model.random_models import saved_random_model
 from tests.model.test_families import SMALL
 from tests.model.test_model_runner import run_core
 from workers.scheduler.cuda_graphs import (
@@ -46,17 +48,10 @@ def test_buckets() -> None:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
     config = LlamaConfig(**{**SMALL, "max_position_embeddings": 256}, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.1)
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    return path
+    return saved_random_model(tmp_path_factory, "llama", config, weight_std=0.1)
 
 
 def record_as_call(step: Callable[[], None]) -> Callable[[], None]:
@@ -114,35 +109,16 @@ def test_graphed_greedy_tokens_equal_eager_through_the_scheduler(folder: Path) -
     assert graphs.calls > 60
 
 
-def decode_steps(
-    runner: TorchModelRunner, step: Callable[[list[Sequence]], torch.Tensor]
-) -> torch.Tensor:
-    """Hidden states of 20 decode steps of three sequences (batches of 3, 1 and 2; 3 takes
-    the bucket of 4, one padding row), after an eager prefill; blocks 0-3, 4-7, 8-11."""
-    prompts = [[5, 9, 2, 7] * 5, [3, 1, 4, 1, 5, 9, 2, 6, 5], [8] * 30]
-    seqs = []
-    for i, prompt in enumerate(prompts):
-        seq = Sequence(f"r{i}", prompt, SamplingParams(temperature=0))
-        seq.block_table = [4 * i + b for b in range(4)]
-        seq.num_new_tokens = len(prompt)
-        seqs.append(seq)
-    runner.forward(seqs)
-    hidden = []
-    for token in range(20):  # contexts cross the block boundaries at 16 and 32
-        for seq in seqs:
-            seq.num_computed_tokens += seq.num_new_tokens
-            seq.append_token(token)
-            seq.num_new_tokens = 1
-        hidden.append(step(seqs[: (3, 1, 2)[token % 3]]))
-    return torch.cat(hidden)
-
-
 def test_graphed_steps_give_the_eager_hidden_states_and_cache(folder: Path) -> None:
     eager = TorchModelRunner.load(str(folder), NUM_KV_BLOCKS, BLOCK_SIZE)
     graphed = TorchModelRunner.load(str(folder), NUM_KV_BLOCKS, BLOCK_SIZE)
     graphs = recorded_as_calls(graphed)
-    expected = decode_steps(eager, lambda seqs: eager.forward(seqs)[0].clone())
-    got = decode_steps(graphed, lambda seqs: graphs(seqs)[0].clone())
+    # Contexts cross the block boundaries at 16 and 32; a batch of 3 pads to the bucket of 4.
+    prompts = [[5, 9, 2, 7] * 5, [3, 1, 4, 1, 5, 9, 2, 6, 5], [8] * 30]
+    expected = decode_steps(
+        eager, lambda seqs: eager.forward(seqs)[0].clone(), prompts, batch_sizes=(3, 1, 2)
+    )
+    got = decode_steps(graphed, lambda seqs: graphs(seqs)[0].clone(), prompts, (3, 1, 2))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     owned = 12 * BLOCK_SIZE  # the sequences' blocks; padding rows wrote only the padding block
     for (k, v), (k_ref, v_ref) in zip(graphed.kv_cache, eager.kv_cache, strict=True):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shared.protocol import SamplingParams
+from tests.model.random_models import random_hf_model
 from tests.model.routing import route_every_size
 from workers.scheduler import llama
 from workers.scheduler.attention_tuning import AttentionChoice
@@ -55,14 +56,7 @@ FAMILIES = ["llama-tied", "llama-bias", "qwen2", "qwen2-tied", "qwen3", "qwen3-b
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """(HF model, folder it was saved to) with every weight random, biases and norms too."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = _configs()[request.param]
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.05)
+    model = random_hf_model(_configs()[request.param], weight_std=0.05)
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     return model, folder

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.model.random_models import saved_random_model
 from tests.model.test_families import BLOCK_SIZE, SMALL, _seqs, step
 from workers.scheduler import llama, model_runner
 from workers.scheduler import paged_decode as paged_decode_module
@@ -110,18 +111,11 @@ def test_the_kernel_is_offered_only_where_it_applies() -> None:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
     # 3 query heads per kv head (as SmolLM2), head_dim apart from hidden / heads
     config = LlamaConfig(**{**SMALL, "hidden_size": 96, "num_attention_heads": 6}, head_dim=16)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.05)
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    return path
+    return saved_random_model(tmp_path_factory, "llama", config, weight_std=0.05)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -22,19 +24,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 #define INLINE static inline __attribute__((always_inline))
 

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef __AVX512VNNI__
 #include <immintrin.h>
 #endif
@@ -22,19 +24,6 @@
 #define TILE_N 64
 #define TILE_M 4
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline float load1(const void *x, size_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
