@@ -38,7 +38,7 @@ from workers.scheduler.quantization import (  # noqa: E402
     DynamicInt8,
     int4_groups,
     int8_channels,
-    w8a8_kernel,
+    w8a8_projection,
 )
 from workers.scheduler.w8a8_kernel import kernel_fits  # noqa: E402
 
@@ -102,7 +102,7 @@ KERNELS: dict[str, Callable[[torch.Tensor], Kernel]] = {
     "int4 weight-only g32 (_weight_int4pack_mm_for_cpu)": _int4,
     "fbgemm dynamic int8 (per-tensor activations)": _fbgemm_dynamic,
     "W8A8 projection: fbgemm in torch ops (DynamicInt8)": _w8a8(DynamicInt8),
-    "W8A8 projection: C kernel (AVX512-VNNI)": _w8a8(w8a8_kernel),
+    "W8A8 projection: C kernel (AVX512-VNNI)": _w8a8(w8a8_projection),
 }
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from workers.scheduler import quantization
-from workers.scheduler.quantization import DynamicInt8, w8a8_kernel
+from workers.scheduler.quantization import DynamicInt8, w8a8_projection
 from workers.scheduler.w8a8_kernel import FusedW8A8, build_kernel, kernel_fits
 
 
@@ -31,7 +31,7 @@ def fused(dense: nn.Linear, input_max: torch.Tensor, flags: tuple[str, ...]) -> 
     lib = build_kernel(flags)
     if lib is None:
         pytest.skip("no C compiler here")
-    kernel = w8a8_kernel(dense.weight, input_max, lib)
+    kernel = w8a8_projection(dense.weight, input_max, lib)
     assert isinstance(kernel, FusedW8A8)
     return kernel
 
@@ -96,7 +96,7 @@ def test_the_kernel_follows_the_dense_weights_as_fbgemm_does(flags: tuple[str, .
 def test_shapes_out_of_whole_tiles_take_fbgemm() -> None:
     dense = nn.Linear(128, 96)  # 96 outputs: not whole tiles of 64
     assert not kernel_fits(dense.weight)
-    assert isinstance(w8a8_kernel(dense.weight, torch.ones(128)), DynamicInt8)
+    assert isinstance(w8a8_projection(dense.weight, torch.ones(128)), DynamicInt8)
 
 
 def test_without_avx512_vnni_the_kernel_is_not_offered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,5 +105,20 @@ def test_without_avx512_vnni_the_kernel_is_not_offered(monkeypatch: pytest.Monke
         pytest.skip("no C compiler here")
     monkeypatch.setattr(quantization, "kernel_fits", lambda weight: False)
     dense = nn.Linear(128, 128)
-    assert isinstance(w8a8_kernel(dense.weight, torch.ones(128)), DynamicInt8)
+    assert isinstance(w8a8_projection(dense.weight, torch.ones(128)), DynamicInt8)
     assert portable.w8a8_vectorized() == 0
+
+
+@BUILDS
+def test_a_compiled_forward_runs_the_kernel_between_its_graphs(flags: tuple[str, ...]) -> None:
+    """`--enable-torch-compile` with decode batches on the kernel's route: the ctypes call
+    runs eagerly between the compiled graphs, with the eager result."""
+    torch.manual_seed(0)
+    dense = nn.Linear(128, 128, bias=False)
+    kernel = fused(dense, torch.ones(128), flags)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(kernel(torch.sin(x))) * 2
+
+    x = torch.randn(8, 128)
+    torch.testing.assert_close(torch.compile(forward)(x), forward(x))

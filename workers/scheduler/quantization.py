@@ -13,7 +13,7 @@ them is close to lossless. The LM head: int8 per output channel (an int4 head co
 reference: tests/model/test_quantization.py. CPU only: the CUDA int4 kernel wants
 another packing.
 
-`w8a8_int8` gives qkv, o, gate_up and the head a third kernel, int8 x int8 (`w8a8_kernel`):
+`w8a8_int8` gives qkv, o, gate_up and the head a third kernel, int8 x int8 (`w8a8_projection`):
 on CPUs with AVX512-VNNI one C call per projection (w8a8_kernel.py), elsewhere fbgemm's
 GEMM inside torch ops (`DynamicInt8`, 2-3x faster than int4 and fp32 from 8 tokens on over
 AVX2; bench/kernels.py). Its activations are quantized at run time, which this model's
@@ -100,7 +100,7 @@ def quantize_model(
                 continue
             kernels: dict[str, nn.Module] = {"int4": Int4Weights(dense.weight)}
             if input_max is not None and name in DYNAMIC_INT8_PROJECTIONS:
-                kernels["w8a8"] = w8a8_kernel(dense.weight, input_max[dense])
+                kernels["w8a8"] = w8a8_projection(dense.weight, input_max[dense])
             setattr(parent, name, TieredLinear(dense, kernels))
             wrapped += 1
     head = model.lm_head
@@ -108,7 +108,7 @@ def quantize_model(
     if fits(head, bits=8):
         head_kernels: dict[str, nn.Module] = {"int8": Int8Weights(head.weight)}
         if input_max is not None:
-            head_kernels["w8a8"] = w8a8_kernel(head.weight, input_max[head])
+            head_kernels["w8a8"] = w8a8_projection(head.weight, input_max[head])
         model.lm_head = TieredLinear(head, head_kernels)
         wrapped += 1
     return wrapped
@@ -182,7 +182,7 @@ OUTLIER_CHANNELS = 16
 SMOOTHING_ALPHA = 0.7
 
 
-def w8a8_kernel(
+def w8a8_projection(
     dense_weight: torch.Tensor, input_max: torch.Tensor, library: ctypes.CDLL | None = None
 ) -> nn.Module:
     """The W8A8 projection: one C call where the CPU has AVX512-VNNI (w8a8_kernel.py;

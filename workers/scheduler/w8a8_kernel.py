@@ -102,6 +102,9 @@ class FusedW8A8(nn.Module):
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor, persistent=False)
 
+    # A ctypes call: torch.compile (`--enable-torch-compile --torch-compile-max-bs 8` and up,
+    # where decode steps reach this kernel's route) leaves it to run eagerly between graphs.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype not in (torch.bfloat16, torch.float32):

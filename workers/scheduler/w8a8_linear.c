@@ -24,7 +24,6 @@
 #define TILE_N 64
 #define TILE_M 4
 
-
 static inline float load1(const void *x, size_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
