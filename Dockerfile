@@ -1,9 +1,10 @@
 # One image for every tier; compose picks the tier with the command.
 FROM python:3.11-slim
 WORKDIR /app
-# A C/C++ compiler at run time: the scheduler builds its paged decode-attention kernel at
-# load (workers/scheduler/paged_decode.py) and --enable-torch-compile compiles C++; without
-# one, the kernel is left out (torch's paths serve) and --enable-torch-compile refuses to start.
+# A C/C++ compiler at run time: the scheduler builds its C kernels at load (paged decode
+# attention, the w8a8_int8 projection: workers/scheduler/c_build.py) and
+# --enable-torch-compile compiles C++; without one, the kernels are left out (torch's paths
+# serve) and --enable-torch-compile refuses to start.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
