@@ -10,7 +10,8 @@ from redserve.cli import build_parser, settings_from_args
 from shared.protocol import SamplingParams
 from tests.model.teacher_forcing import Reference, agreement
 from workers.scheduler.attention_tuning import AttentionChoice
-from workers.scheduler.model_runner import TorchModelRunner, kv_bytes_per_token, resolve_kv_dtype
+from workers.scheduler.memory import kv_bytes_per_token
+from workers.scheduler.model_runner import TorchModelRunner, resolve_kv_dtype
 from workers.scheduler.paged_decode import kernel_library
 from workers.scheduler.sequence import Sequence
 

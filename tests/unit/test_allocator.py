@@ -12,7 +12,7 @@ import pytest
 # their fp32 copies, the attention output. Prints the minor page faults of 30 such steps.
 CHURN = """
 import resource, sys, torch
-from workers.scheduler.model_runner import keep_freed_memory
+from workers.scheduler.memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 def layers(first_len):

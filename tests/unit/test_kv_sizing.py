@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from workers.scheduler.llama import ModelArgs
-from workers.scheduler.model_runner import available_memory, kv_bytes_per_token, num_kv_blocks_for
+from workers.scheduler.memory import available_memory, kv_bytes_per_token, num_kv_blocks_for
 
 MiB = 2**20
 

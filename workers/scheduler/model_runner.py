@@ -8,13 +8,11 @@ scheduler imports torch (with llama.py and sampler.py); the loop sees it through
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from torch import nn
 
@@ -31,6 +29,12 @@ from workers.scheduler.llama import (
     LlamaForCausalLM,
     ModelArgs,
     load_model,
+)
+from workers.scheduler.memory import (
+    available_memory,
+    keep_freed_memory,
+    kv_bytes_per_token,
+    num_kv_blocks_for,
 )
 from workers.scheduler.outputs import (
     record_embeddings,
@@ -94,28 +98,6 @@ def read_model_args(model_path: str) -> ModelArgs:
     return ModelArgs.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
 
 
-def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
-    return 2 * args.num_layers * args.num_kv_heads * args.head_dim * dtype.itemsize
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes that new tensors on `device` can take now (on CPU, within the container's
-    cgroup limit too: psutil sees the host's memory)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    available = int(psutil.virtual_memory().available)
-    for limit_file, usage_file in _CGROUP_FILES:
-        try:
-            limit = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit():
-            available = min(available, int(limit) - usage)
-        break
-    return max(0, available)
-
-
 # Decode groups of at least this many sequences take `Attention._attend_decodes` (where
 # `matmul_decodes`); per layer, 160-token contexts: 1 seq 61 vs 45 us for SDPA, 4 seqs 95 vs 89 us,
 # 16 seqs 178 vs 298 us, 64 seqs 0.9 vs 1.9 ms.
@@ -125,54 +107,6 @@ DECODE_MATMUL_MIN_SEQS = 8
 # context makes a dimension of size 1, which torch.compile specializes, so a step with a
 # prompt of up to one block would compile a graph of its own while serving (compiled.py).
 MIN_GATHERED_BLOCKS = 2
-
-_CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-)
-
-
-# glibc's mallopt() parameters (malloc.h) and the largest mmap threshold it takes on 64 bits.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 * 2**20
-_TRIM_THRESHOLD = 2**30
-
-
-def keep_freed_memory() -> bool:
-    """Makes glibc's malloc keep freed memory for reuse instead of handing it back to the
-    kernel; whether it could (False off glibc). A CPU step allocates and frees tens of MB of
-    temporaries per layer (gathered K/V, their fp32 copies); with glibc's default, adaptive
-    thresholds they were unmapped or trimmed and faulted back in page by page: measured in
-    the full stack at 64 streams, 5.6M page faults per 10 s, a third of the CPU in the
-    kernel and 2x slower steps. Blocks up to 32 MiB now come from the heap, and up to
-    1 GiB of free heap is kept: the process holds its peak of temporaries."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
-    )
-
-
-def num_kv_blocks_for(
-    max_blocks: int, memory_fraction: float, available_bytes: int, bytes_per_block: int
-) -> int:
-    """KV cache blocks: `memory_fraction` of `available_bytes`, and at most `max_blocks`
-    (either one 0 = no bound from it, not both)."""
-    if not (max_blocks or memory_fraction):
-        raise ValueError("size the KV cache with a block count or a memory fraction")
-    bounds = [max_blocks] if max_blocks else []
-    if memory_fraction:
-        bounds.append(int(available_bytes * memory_fraction) // bytes_per_block)
-    num_blocks = min(bounds)
-    if num_blocks < 1:
-        raise MemoryError(
-            f"no room for a KV cache: {memory_fraction} of {available_bytes / 2**20:.0f} MiB "
-            f"is less than one block ({bytes_per_block / 2**20:.1f} MiB)"
-        )
-    return num_blocks
 
 
 class TorchModelRunner:
@@ -195,6 +129,7 @@ class TorchModelRunner:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.num_kv_blocks = num_kv_blocks
         self.padding_block = num_kv_blocks
+        self.cache_blocks = num_kv_blocks + 1  # the padding block last
         args, weight = model.args, model.embed_tokens.weight
         self.device = weight.device
         # bf16/fp16 decodes on CPU may take Attention._attend_decodes (`use_attention`);
@@ -202,7 +137,7 @@ class TorchModelRunner:
         # and so does CUDA.
         self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
         self.paged_decodes = False  # decode groups through paged_decode.py's kernel
-        shape = (args.num_kv_heads, (num_kv_blocks + 1) * block_size, args.head_dim)
+        shape = (args.num_kv_heads, self.cache_blocks * block_size, args.head_dim)
         kv_dtype = kv_dtype or weight.dtype
         self.kv_cache: list[LayerCache] = [
             (
@@ -406,7 +341,7 @@ class TorchModelRunner:
         max_q = int(q_len.max())
         blocks = tables[index, : max(MIN_GATHERED_BLOCKS, -(-int(kv_len.max()) // bs))]
         kv_heads = self.model.args.num_kv_heads
-        heads = torch.arange(kv_heads, device=device).view(-1, 1) * (self.num_kv_blocks + 1)
+        heads = torch.arange(kv_heads, device=device).view(-1, 1) * self.cache_blocks
         # Row j of sequence b is position start_b + j; padding rows still see key 0, so no
         # softmax row is empty (NaN).
         q_pos = start.unsqueeze(1) + torch.arange(max_q, device=device)
