@@ -102,7 +102,7 @@ KERNELS: dict[str, Callable[[torch.Tensor], Kernel]] = {
     "int4 weight-only g32 (_weight_int4pack_mm_for_cpu)": _int4,
     "fbgemm dynamic int8 (per-tensor activations)": _fbgemm_dynamic,
     "W8A8 projection: fbgemm in torch ops (DynamicInt8)": _w8a8(DynamicInt8),
-    "W8A8 projection: C kernel (AVX512-VNNI)": _w8a8(w8a8_projection),
+    "W8A8 projection: C kernel (AVX512-VNNI or AVX2)": _w8a8(w8a8_projection),
 }
 
 

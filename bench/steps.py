@@ -4,6 +4,7 @@
     python bench/steps.py --batch 1 --modes none int4 --compile   # eager vs compiled
     python bench/steps.py --batch 16 --modes int4 --dtype float32 --paged-ab  # the kernel on/off
     python bench/steps.py --batch 64 --modes w8a8_int8 --kv-cache-dtypes auto bfloat16
+    python bench/steps.py --batch 16 --modes int4 w8a8_int8 --w8a8-ab  # its C kernel on/off
 
 On a noisy VM two runs of the same engine can differ by 30%; alternating the modes' steps
 lets them share the same noise. Each mode gets its own runner and `--batch` prompts of
@@ -14,10 +15,12 @@ lets them share the same noise. Each mode gets its own runner and `--batch` prom
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -25,6 +28,7 @@ from bench.engine import engine_core  # noqa: E402
 from bench.serving import make_prompts  # noqa: E402
 from shared.config import KV_CACHE_DTYPES, QUANTIZATIONS  # noqa: E402
 from shared.model_files import resolve_model  # noqa: E402
+from workers.scheduler import quantization  # noqa: E402
 from workers.scheduler.attention_tuning import AttentionChoice  # noqa: E402
 from workers.scheduler.model_runner import TorchModelRunner  # noqa: E402
 from workers.scheduler.scheduler import Scheduler  # noqa: E402
@@ -50,6 +54,12 @@ def engine(
         kv_cache_dtype=kv_cache_dtype,
     )
     return runner, engine_core(runner, prompts, steps)
+
+
+def without_w8a8_kernel() -> contextlib.AbstractContextManager[object]:
+    """While loading: w8a8_int8's projections on fbgemm's path (`DynamicInt8`), as on a CPU
+    the C kernel does not take."""
+    return mock.patch.object(quantization, "kernel_fits", lambda weight: False)
 
 
 def step(runner: TorchModelRunner, core: Scheduler) -> float:
@@ -82,6 +92,11 @@ def main() -> None:
         default=["auto"],
         help="each mode with each of these KV cache dtypes",
     )
+    parser.add_argument(
+        "--w8a8-ab",
+        action="store_true",
+        help="w8a8_int8 also with its projections on fbgemm's path instead of the C kernel",
+    )
     args = parser.parse_args()
     if args.compile and args.paged_ab:
         parser.error("--paged-ab changes kernels after load, where compiled graphs are fixed")
@@ -105,6 +120,10 @@ def main() -> None:
         for i, (runner, _) in enumerate(engines):  # torch's paths as timed at load, or the kernel
             paged = i >= len(args.modes)
             runner.use_attention(AttentionChoice(True, runner.matmul_decodes, paged_decodes=paged))
+    if args.w8a8_ab and "w8a8_int8" in args.modes:
+        with without_w8a8_kernel():
+            engines.append(engine(model_path, "w8a8_int8", prompts, total, args.dtype))
+        names.append("w8a8_int8, fbgemm's path")
     for runner, core in engines:
         for _ in range(1 + args.warmup):
             step(runner, core)

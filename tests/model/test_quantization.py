@@ -165,8 +165,10 @@ def test_w8a8_follows_the_fp32_greedy_trajectory(
     # 2 AVX2 cores that one was 155/160, 0.040; int4 alone: 158/160, 0.030).
     # On 2 Zen 5 cores, fp32 (bf16): fbgemm 155/160, 0.039, max 0.44 (154/160, 0.043); the C
     # kernel (AVX512-VNNI, 8-bit activations) 159/160, 0.025, max 0.36 (157/160, 0.036).
+    # On 2 Zen 3 cores (AVX2), fp32: fbgemm 156/160, 0.042, max 0.55; the C kernel (7-bit
+    # weights) 157/160, 0.037, max 0.30.
     if kernel == FusedW8A8 and not kernel_fits(torch.zeros(64, 64)):
-        pytest.skip("no AVX512-VNNI here: the C kernel is not offered")
+        pytest.skip("neither AVX512-VNNI nor AVX2 here: the C kernel is not offered")
     if kernel == DynamicInt8:
         monkeypatch.setattr(quantization, "kernel_fits", lambda weight: False)
     w8a8 = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="w8a8_int8")

@@ -1,6 +1,6 @@
 """The W8A8 projection in C (w8a8_kernel.py): its own math, the dense weights within the
-int8 tolerance, every tile remainder, bf16 and fp32, and the portable loops as well as the
-AVX512-VNNI ones (where this CPU has them)."""
+int8 tolerance, every tile remainder, bf16 and fp32, no saturation at the extremes, and the
+portable loops as well as the AVX2 and AVX512-VNNI ones (where this CPU has them)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,28 @@ from workers.scheduler import quantization
 from workers.scheduler.quantization import DynamicInt8, w8a8_projection
 from workers.scheduler.w8a8_kernel import FusedW8A8, build_kernel, kernel_fits
 
+# Each path of the C source as this CPU can build it: the portable loops, AVX2's, and
+# AVX512-VNNI's (`w8a8_vectorized()`: 0, 2, 1).
+PATHS = {0: "portable", 2: "avx2", 1: "vnni"}
+
 
 def _builds() -> list[tuple[str, ...]]:
-    found = [("-mno-avx512f",)] if platform.machine() == "x86_64" else []
-    lib = build_kernel()
-    if lib is not None and lib.w8a8_vectorized():
-        found.append(())
-    return found
+    if platform.machine() != "x86_64":
+        return []
+    found: dict[int, tuple[str, ...]] = {}
+    for flags in (("-mno-avx2",), ("-mno-avx512f",), ()):
+        lib = build_kernel(flags)
+        if lib is not None:
+            found.setdefault(lib.w8a8_vectorized(), flags)
+    return list(found.values())
 
 
-BUILDS = pytest.mark.parametrize("flags", _builds(), ids=lambda f: "portable" if f else "vnni")
+def _path_name(flags: tuple[str, ...]) -> str:
+    lib = build_kernel(flags)
+    return PATHS[lib.w8a8_vectorized()] if lib is not None else "unbuilt"
+
+
+BUILDS = pytest.mark.parametrize("flags", _builds(), ids=_path_name)
 
 
 def fused(dense: nn.Linear, input_max: torch.Tensor, flags: tuple[str, ...]) -> FusedW8A8:
@@ -75,6 +87,23 @@ def test_the_kernel_computes_its_own_math(
 
 
 @BUILDS
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_widest_products_do_not_saturate(flags: tuple[str, ...], sign: float) -> None:
+    """Every activation and weight at its widest level, all of one sign: AVX2's byte
+    products would saturate their int16 pairs with 8-bit weights (255 * 127 * 2); with the
+    levels its build asks for they are exact."""
+    dense = nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        dense.weight.fill_(0.01)
+    kernel = fused(dense, torch.ones(256), flags)
+    levels = int(unpack(kernel).abs().max())
+    assert levels == kernel.lib.w8a8_weight_levels()
+    x = torch.full((5, 256), sign)
+    torch.testing.assert_close(kernel(x).double(), its_own_math(kernel, dense, x))
+    torch.testing.assert_close(kernel(x), dense(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+@BUILDS
 def test_the_kernel_follows_the_dense_weights_as_fbgemm_does(flags: tuple[str, ...]) -> None:
     torch.manual_seed(0)
     dense = nn.Linear(256, 128, bias=False)
@@ -94,13 +123,13 @@ def test_the_kernel_follows_the_dense_weights_as_fbgemm_does(flags: tuple[str, .
 
 
 def test_shapes_out_of_whole_tiles_take_fbgemm() -> None:
-    dense = nn.Linear(128, 96)  # 96 outputs: not whole tiles of 64
+    dense = nn.Linear(128, 72)  # 72 outputs: not whole tiles (64, or 16 on AVX2)
     assert not kernel_fits(dense.weight)
     assert isinstance(w8a8_projection(dense.weight, torch.ones(128)), DynamicInt8)
 
 
-def test_without_avx512_vnni_the_kernel_is_not_offered(monkeypatch: pytest.MonkeyPatch) -> None:
-    portable = build_kernel(("-mno-avx512f",))
+def test_without_avx2_the_kernel_is_not_offered(monkeypatch: pytest.MonkeyPatch) -> None:
+    portable = build_kernel(("-mno-avx2",))
     if portable is None:
         pytest.skip("no C compiler here")
     monkeypatch.setattr(quantization, "kernel_fits", lambda weight: False)

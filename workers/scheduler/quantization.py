@@ -14,9 +14,9 @@ reference: tests/model/test_quantization.py. CPU only: the CUDA int4 kernel want
 another packing.
 
 `w8a8_int8` gives qkv, o, gate_up and the head a third kernel, int8 x int8 (`w8a8_projection`):
-on CPUs with AVX512-VNNI one C call per projection (w8a8_kernel.py), elsewhere fbgemm's
-GEMM inside torch ops (`DynamicInt8`, 2-3x faster than int4 and fp32 from 8 tokens on over
-AVX2; bench/kernels.py). Its activations are quantized at run time, which this model's
+on x86 CPUs with AVX512-VNNI or AVX2 one C call per projection (w8a8_kernel.py), elsewhere
+fbgemm's GEMM inside torch ops (`DynamicInt8`, 2-3x faster than int4 and fp32 from 8 tokens
+on over AVX2; bench/kernels.py). Its activations are quantized at run time, which this model's
 outlier channels make lossy; a calibration prefill at load (`CALIBRATION_TEXT`) finds them.
 
 Which kernel a step takes depends on how many tokens it carries, so with quantization on,
@@ -185,16 +185,17 @@ SMOOTHING_ALPHA = 0.7
 def w8a8_projection(
     dense_weight: torch.Tensor, input_max: torch.Tensor, library: ctypes.CDLL | None = None
 ) -> nn.Module:
-    """The W8A8 projection: one C call where the CPU has AVX512-VNNI (w8a8_kernel.py;
+    """The W8A8 projection: one C call where the CPU has AVX512-VNNI or AVX2 (w8a8_kernel.py;
     `library`: another build of it, for tests), else fbgemm's GEMM inside torch ops
-    (`DynamicInt8`); the same smoothing either way."""
+    (`DynamicInt8`); the same smoothing either way. The weights take the levels the
+    library's path multiplies exactly (7 bits on AVX2, else 8)."""
+    library = library or (build_kernel() if kernel_fits(dense_weight) else None)
     if library is None:
-        if not kernel_fits(dense_weight):
-            return DynamicInt8(dense_weight, input_max)
-        library = build_kernel()
+        return DynamicInt8(dense_weight, input_max)
     smoothed = Smoothed(dense_weight, input_max)
-    scale = (smoothed.weight.abs().amax(1) / 127).clamp(min=1e-10)
-    q = torch.round(smoothed.weight / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    levels = library.w8a8_weight_levels()
+    scale = (smoothed.weight.abs().amax(1) / levels).clamp(min=1e-10)
+    q = torch.round(smoothed.weight / scale.unsqueeze(1)).clamp(-levels, levels).to(torch.int8)
     inverse, outliers = smoothed.inverse_smooth, smoothed.outliers
     outlier_weight = dense_weight.detach()[:, outliers].float()
     return FusedW8A8(q, scale, inverse, outliers, outlier_weight, library)

@@ -1,6 +1,7 @@
-"""`--quantization w8a8_int8`'s projection as one C call (w8a8_linear.c) on CPUs with
-AVX512-VNNI: per-token int8 activations, int8 weights, int32 sums, dequantized with the
-outlier channels added, in one pass.
+"""`--quantization w8a8_int8`'s projection as one C call (w8a8_linear.c) on x86 CPUs with
+AVX512-VNNI or AVX2: per-token int8 activations, int8 weights (7 bits on AVX2: its byte
+products saturate otherwise), int32 sums, dequantized with the outlier channels added, in
+one pass.
 
 The torch version (`DynamicInt8`: fbgemm's int8 GEMM inside ~10 torch ops) spends more on
 its ops than its GEMM saves at decode sizes: per layer (qkv + gate_up + o, 16 tokens,
@@ -12,6 +13,12 @@ prepacked bf16 from 16 tokens on): 20.3 vs 24.1 ms at 16 sequences, 45.9 vs 52.9
 Its activations keep 8 bits per token where fbgemm's keep 7 (it reduces the range), with
 the same smoothing and outlier channels (quantization.py): top-1 159/160 against fp32
 where fbgemm's gave 155/160 (tests/model/test_quantization.py).
+
+On AVX2 (2 Zen 3 cores, fp32 model) the kernel against fbgemm's path, engine decode steps
+interleaved (`bench/steps.py --modes w8a8_int8 --w8a8-ab`): 47.6 vs 52.9 ms at 4
+sequences, 88.3 vs 95.6 and 100.8 vs 106.2 at 16, 239 vs 232 at 64 (fbgemm's GEMM keeps
+up at 64 tokens and runs the LM head faster from 16 on). Every step through W8A8: top-1
+157/160 against fp32, mean |logprob error| 0.037 (fbgemm's 156/160, 0.042).
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ from torch import nn
 from workers.scheduler.c_build import build_library
 
 SOURCE = Path(__file__).with_name("w8a8_linear.c")
-TILE_N = 64  # output channels per packed block (the C source's TILE_N)
 
 
 @functools.cache
@@ -41,19 +47,21 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.w8a8_linear.argtypes = [pointer, i32, i32, i32, *[pointer] * 5, i32, pointer, pointer]
     lib.w8a8_linear.argtypes += [i32, i32]
     lib.w8a8_vectorized.restype = i32
+    lib.w8a8_weight_levels.restype = i32
+    lib.w8a8_tile_n.restype = i32
     return lib
 
 
 def kernel_fits(weight: torch.Tensor) -> bool:
-    """Whether the vectorized kernel builds here (AVX512-VNNI) and takes this [out, in]
-    weight."""
+    """Whether the vectorized kernel builds here (AVX512-VNNI or AVX2) and takes this
+    [out, in] weight."""
     out_features, in_features = weight.shape
     lib = build_kernel()
     return (
         weight.device.type == "cpu"
-        and out_features % TILE_N == 0
-        and in_features % 4 == 0
         and lib is not None
+        and out_features % lib.w8a8_tile_n() == 0
+        and in_features % 4 == 0
         and bool(lib.w8a8_vectorized())
     )
 
@@ -63,12 +71,12 @@ class FusedW8A8(nn.Module):
     `inverse_smooth`, plus x's `outliers` channels times `outlier_weight` [out, outliers]
     in fp32. Output in x's dtype (bf16 or fp32), no bias."""
 
-    packed: torch.Tensor  # [out / 64][in / 4][64][4] int8
+    packed: torch.Tensor  # [out / tile][in / 4][tile][4] int8 (`w8a8_tile_n()`: 64 or 16)
     colsum: torch.Tensor  # [out] int32, 128 * sum of each output channel's q
     scale: torch.Tensor  # [out] fp32
     inverse_smooth: torch.Tensor  # [in] fp32, 0 at the outlier channels
     outliers: torch.Tensor  # [outliers] int32
-    outlier_weight: torch.Tensor  # [out / 64][outliers][64] fp32
+    outlier_weight: torch.Tensor  # [out / tile][outliers][tile] fp32
 
     def __init__(
         self,
@@ -81,23 +89,24 @@ class FusedW8A8(nn.Module):
     ) -> None:
         super().__init__()
         out_features, in_features = q.shape
-        if out_features % TILE_N or in_features % 4:
-            raise ValueError(f"w8a8 kernel: shape {tuple(q.shape)} is not in whole tiles")
         lib = library or build_kernel()
         if lib is None:
             raise RuntimeError("the w8a8 kernel is not built (no C compiler?)")
+        tile = lib.w8a8_tile_n()
+        if out_features % tile or in_features % 4:
+            raise ValueError(f"w8a8 kernel: shape {tuple(q.shape)} is not in whole tiles")
         self.lib = lib
         self.out_features, self.in_features = out_features, in_features
-        blocks = out_features // TILE_N
-        packed = q.view(blocks, TILE_N, in_features // 4, 4).transpose(1, 2)
-        per_block = outlier_weight.float().t().reshape(-1, blocks, TILE_N).transpose(0, 1)
+        blocks = out_features // tile
+        packed = q.view(blocks, tile, in_features // 4, 4).transpose(1, 2)
+        per_block = outlier_weight.float().t().reshape(-1, blocks, tile).transpose(0, 1)
         buffers = {
-            "packed": packed.contiguous(),  # [blocks][in / 4][64][4]
+            "packed": packed.contiguous(),  # [blocks][in / 4][tile][4]
             "colsum": 128 * q.sum(1, dtype=torch.int32),
             "scale": scale.float().contiguous(),
             "inverse_smooth": inverse_smooth.float().contiguous(),
             "outliers": outliers.to(torch.int32).contiguous(),
-            "outlier_weight": per_block.contiguous(),  # [blocks][outliers][64]
+            "outlier_weight": per_block.contiguous(),  # [blocks][outliers][tile]
         }
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor, persistent=False)
