@@ -139,9 +139,9 @@ def test_without_avx2_the_kernel_is_not_offered(monkeypatch: pytest.MonkeyPatch)
 
 
 @BUILDS
-def test_a_compiled_forward_runs_the_kernel_between_its_graphs(flags: tuple[str, ...]) -> None:
-    """`--enable-torch-compile` with decode batches on the kernel's route: the ctypes call
-    runs eagerly between the compiled graphs, with the eager result."""
+def test_a_compiled_forward_runs_the_kernel_inside_one_graph(flags: tuple[str, ...]) -> None:
+    """`--enable-torch-compile` with decode batches on the kernel's route: the kernel is
+    one op of the graph (fullgraph: a graph break fails), with the eager result."""
     torch.manual_seed(0)
     dense = nn.Linear(128, 128, bias=False)
     kernel = fused(dense, torch.ones(128), flags)
@@ -150,4 +150,4 @@ def test_a_compiled_forward_runs_the_kernel_between_its_graphs(flags: tuple[str,
         return torch.relu(kernel(torch.sin(x))) * 2
 
     x = torch.randn(8, 128)
-    torch.testing.assert_close(torch.compile(forward)(x), forward(x))
+    torch.testing.assert_close(torch.compile(forward, fullgraph=True)(x), forward(x))
