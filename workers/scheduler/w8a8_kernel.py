@@ -95,7 +95,7 @@ class FusedW8A8(nn.Module):
         tile = lib.w8a8_tile_n()
         if out_features % tile or in_features % 4:
             raise ValueError(f"w8a8 kernel: shape {tuple(q.shape)} is not in whole tiles")
-        self.lib, self.library_index = lib, _library_index(lib)
+        self.library_index = _library_index(lib)
         self.out_features, self.in_features = out_features, in_features
         blocks = out_features // tile
         packed = q.view(blocks, tile, in_features // 4, 4).transpose(1, 2)

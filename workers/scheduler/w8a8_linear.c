@@ -43,11 +43,11 @@ static inline float load1(const void *x, size_t i, int bf16) {
 }
 
 typedef struct {
-    const int8_t *packed;       /* [N / 64][K / 4][64][4] */
+    const int8_t *packed;       /* [N / TILE_N][K / 4][TILE_N][4] */
     const int32_t *colsum;      /* [N] 128 * sum_k w[n][k] */
     const float *scale;         /* [N] per output channel */
     const int32_t *outliers;    /* [n_out] input channels multiplied apart */
-    const float *outlier_w;     /* [N / 64][n_out][64] */
+    const float *outlier_w;     /* [N / TILE_N][n_out][TILE_N] */
     int n_out;
 } Weights;
 
