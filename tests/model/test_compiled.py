@@ -92,6 +92,32 @@ def test_compiled_greedy_tokens_equal_eager_through_the_scheduler(
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_one_graph_serves_every_batch_size_from_two(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A graph for one sequence and one, with a dynamic batch, for 2 to `max_batch` (a graph
+    per size took a minute or more each on 2 cores); every size runs compiled, as eager.
+    A Llama, not the Qwen3 of the other tests: its graphs are this test's own to count."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**{**SMALL, "max_position_embeddings": 256})
+    folder = saved_random_model(tmp_path_factory, "llama", config, weight_std=0.1)
+    eager = TorchModelRunner.load(str(folder), NUM_KV_BLOCKS, BLOCK_SIZE)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = TorchModelRunner.load(str(folder), NUM_KV_BLOCKS, BLOCK_SIZE, torch_compile_max_bs=5)
+    assert compiled.compiled is not None and compiled.compiled.calls == 10
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (20, 9, 33, 4, 15)]
+    hidden = {}
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for name, runner in (("eager", eager), ("compiled", compiled)):
+            step = lambda seqs, r=runner: r.forward(seqs)[0]  # noqa: E731
+            hidden[name] = decode_steps(runner, step, prompts, (5, 3, 4, 2, 1))
+    torch.testing.assert_close(hidden["compiled"], hidden["eager"], rtol=1e-4, atol=1e-4)
+    assert compiled.compiled.calls == 10 + 20
+
+
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("bfloat16", "auto"), ("float32", "bf16")])
 @pytest.mark.parametrize("paged", [False, True])
 def test_compiled_decode_keeps_the_prepacked_projections_the_kernel_and_the_bf16_cache(

@@ -47,6 +47,27 @@ def test_each_compact_kernel_follows_the_dense_weights(kernel: str, tolerance: f
     assert (compact - exact).abs().max() < tolerance * exact.abs().max()
 
 
+def test_a_compiled_projection_keeps_a_graph_per_route_range_not_per_size() -> None:
+    """Under torch.compile with a dynamic batch (compiled.py), picking the route compares the
+    size only where the route changes: steps of 2 to 40 tokens take two graphs (int4 up to
+    4 tokens, int8 above), and each still runs its route's kernel."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    dense = nn.Linear(128, 96)
+    layer = TieredLinear(dense, {**_kernels(dense)["int4"], **_kernels(dense)["int8"]})
+    layer.route = ["int4"] * 3 + ["int8"] * 5  # 1, 2, 4 | 8 .. 256
+    compiled = torch.compile(layer)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for tokens in (2, 3, 4, 5, 8, 9, 40):
+            x = torch.randn(tokens, 128)
+            torch._dynamo.mark_dynamic(x, 0)
+            kernel = "int4" if tokens <= 4 else "int8"
+            torch.testing.assert_close(compiled(x), layer.run(kernel, x), rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+
+
 def _kernels(dense: nn.Linear) -> dict[str, dict[str, nn.Module]]:
     return {
         "int4": {"int4": Int4Weights(dense.weight)},

@@ -8,11 +8,16 @@ on an AVX2 VM. Inductor fuses them into a few C++ loops per layer; the matmuls a
 stay torch's own kernels (the same packed int4/int8 and oneDNN calls as eager). On the AVX2
 VM: int4 steps 25.6 vs 33.9 ms, fp32 52.8 vs 61.9 (bench/README.md).
 
-One graph per batch size from 1 to `max_batch`, for steps where every sequence brings one
-token (decodes); the context length is a dynamic dimension, so one graph serves every
-length. Prefill chunks, mixed steps and larger batches stay eager. Compiling takes tens of
-seconds per batch size on 2 cores, so `warm_up` does it at load, before the scheduler takes
-jobs: no request waits on the compiler. Needs a C++ compiler (g++) at run time.
+Two graphs for steps where every sequence brings one token (decodes): one for a single
+sequence (static shapes: the tightest loops, for the latency of a lone stream) and one for 2
+to `max_batch` sequences, the batch a dynamic dimension (one graph per size took a minute or
+more of compiling each: 64 sizes would be an hour); the context length is dynamic in both.
+Where the step size picks a kernel (quantization's routes), dynamo guards on it and compiles
+a graph per route range. Prefill chunks, mixed steps and larger batches stay eager.
+Compiling takes tens of seconds per graph on 2 cores, so `warm_up` does it at load, before
+the scheduler takes jobs, running every size; a step that would still need a new graph
+afterwards runs eager instead: no request waits on the compiler. Needs a C++ compiler (g++)
+at run time.
 
 Inductor's fused loops sum in another order than eager's kernels (hidden states within 1e-4,
 tests/model/test_compiled.py), so a greedy token can differ from eager's at a near-tie:
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch._dynamo import config as dynamo_config
+from torch._dynamo.utils import counters
 
 from shared.protocol import SamplingParams
 from workers.scheduler.llama import AttentionBatch, LayerCache, LlamaForCausalLM
@@ -51,6 +57,7 @@ class CompiledDecode:
             raise RuntimeError("--enable-torch-compile needs a C++ compiler (g++) on PATH")
         self.max_batch = max_batch
         self.calls = 0  # steps that ran compiled
+        self._compiling = False  # only warm_up compiles; afterwards a new shape runs eager
         self._forward: Callable[..., torch.Tensor] = torch.compile(model.forward)
 
     def takes(self, seqs: Seq[Sequence]) -> bool:
@@ -59,34 +66,52 @@ class CompiledDecode:
     def __call__(
         self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache: Seq[LayerCache]
     ) -> torch.Tensor:
-        for group in batch.groups:  # the context length: [kv_heads * blocks] rows, [.., Lk]
-            torch._dynamo.maybe_mark_dynamic(group.kv_rows, 0)
-            torch._dynamo.maybe_mark_dynamic(group.mask, 3)
-            if group.score_bias is not None:
-                torch._dynamo.maybe_mark_dynamic(group.score_bias, 3)
-            if group.block_tables is not None:
-                torch._dynamo.maybe_mark_dynamic(group.block_tables, 1)
+        _mark_dynamic_dims(input_ids, batch)
         self.calls += 1
-        return self._forward(input_ids, batch, kv_cache)
+        with torch.compiler.set_stance("default" if self._compiling else "eager_on_recompile"):
+            return self._forward(input_ids, batch, kv_cache)
 
     def warm_up(self, runner: TorchModelRunner) -> None:
-        """Compiles every batch size by running decode steps over the first cache blocks
-        (before any request holds a block, so the K/V it writes there is never read),
+        """Compiles the graphs by running decode steps of every size over the first cache
+        blocks (before any request holds a block, so the K/V it writes there is never read),
         each size at two context lengths so that the length is compiled as dynamic."""
         num_blocks = min(3, runner.num_kv_blocks)
-        # A graph per batch size (static shapes compile to tighter loops): dynamo must not
-        # turn the batch dimension dynamic on its own, and may keep one graph per size.
-        # Compiling happens only here, so the settings need not wrap the steps that serve.
-        with dynamo_config.patch(
-            automatic_dynamic_shapes=False, recompile_limit=self.max_batch + 8
-        ):
+        # Dynamo must not turn dimensions dynamic on its own (`_mark_dynamic_dims` says
+        # which are), and may keep a graph per route range. Compiling happens only here.
+        self._compiling = True
+        with dynamo_config.patch(automatic_dynamic_shapes=False, recompile_limit=64):
             for size in range(1, self.max_batch + 1):
-                started = time.monotonic()
+                started, graphs = time.monotonic(), counters["stats"]["unique_graphs"]
                 for blocks in sorted({max(1, num_blocks - 1), num_blocks}):
                     seqs = [_warm_up_sequence(i, blocks, runner.block_size) for i in range(size)]
                     runner.forward(seqs)
                 elapsed = time.monotonic() - started
-                logger.info("compiled decode steps of %d sequences in %.1fs", size, elapsed)
+                if counters["stats"]["unique_graphs"] > graphs:
+                    logger.info("compiled decode steps of %d sequences in %.1fs", size, elapsed)
+        self._compiling = False
+
+
+def _mark_dynamic_dims(input_ids: torch.Tensor, batch: AttentionBatch) -> None:
+    """The context length, always; the batch (a token per sequence) from 2 sequences on."""
+    for group in batch.groups:  # the context length: [kv_heads * blocks] rows, [.., Lk]
+        torch._dynamo.maybe_mark_dynamic(group.kv_rows, 0)
+        torch._dynamo.maybe_mark_dynamic(group.mask, 3)
+        if group.score_bias is not None:
+            torch._dynamo.maybe_mark_dynamic(group.score_bias, 3)
+        if group.block_tables is not None:
+            torch._dynamo.maybe_mark_dynamic(group.block_tables, 1)
+    if input_ids.shape[0] < 2:
+        return
+    for tensor in (input_ids, batch.positions, batch.slot_mapping, batch.last_index):
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    for group in batch.groups:
+        for tensor in (group.token_index, group.padded_index, group.mask):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        if group.score_bias is not None:
+            torch._dynamo.maybe_mark_dynamic(group.score_bias, 1)
+        for optional in (group.block_tables, group.context_lens):
+            if optional is not None:
+                torch._dynamo.maybe_mark_dynamic(optional, 0)
 
 
 def _warm_up_sequence(index: int, num_blocks: int, block_size: int) -> Sequence:

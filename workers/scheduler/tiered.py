@@ -11,7 +11,6 @@ load instead of trusting a table made on another one.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import defaultdict
 
@@ -25,9 +24,6 @@ from torch import nn
 # it was 1.4x; int4 2.2-2.5x slower throughout).
 TUNED_TOKENS = (1, 2, 4, 8, 16, 32, 64, 256)
 DENSE = "dense"
-# The route index of a step of n tokens (n <= 256), as a table: torch.compile traces a
-# lookup, not bisect (a C builtin it cannot see into, so it would break the graph).
-_TIER_OF = tuple(bisect.bisect_left(TUNED_TOKENS, n) for n in range(TUNED_TOKENS[-1] + 1))
 
 
 class TieredLinear(nn.Module):
@@ -47,8 +43,18 @@ class TieredLinear(nn.Module):
         self.route = [next(iter(kernels))] * len(TUNED_TOKENS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        return self.run(self.route[_TIER_OF[tokens] if tokens < len(_TIER_OF) else -1], x)
+        return self.run(self.kernel_for(x.shape[0]), x)
+
+    def kernel_for(self, tokens: int) -> str:
+        """The route of the smallest tuned size >= `tokens`, found by comparing `tokens` only
+        where the route changes: under torch.compile with a dynamic batch (compiled.py) each
+        comparison is a guard, so a graph serves every size between two changes (an index
+        into a table by `tokens` would fix the graph to one size)."""
+        route = self.route
+        for i in range(len(route) - 1):
+            if route[i] != route[i + 1] and tokens <= TUNED_TOKENS[i]:
+                return route[i]
+        return route[-1]
 
     def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         if kernel == DENSE:
