@@ -74,13 +74,13 @@ class SchedulerSettings(_Checked):
     # step up to whole prefill chunks where the CPU has VNNI (Ice Lake and newer).
     # Accuracy, and why opt-in: quantization.py.
     quantization: Quantization = "none"
-    # SGLang's flags: decode steps of up to torch_compile_max_bs sequences run a
-    # torch.compile'd forward (workers/scheduler/compiled.py), compiled at start (tens of
-    # seconds per batch size on 2 cores; needs g++). Single-stream decode steps 15-25%
-    # shorter on 2 AVX2 cores (bench/README.md). Off by default: the startup cost, and it
-    # needs a compiler.
+    # SGLang's flags and default max bs: decode steps of up to torch_compile_max_bs
+    # sequences run a torch.compile'd forward (workers/scheduler/compiled.py), compiled at
+    # start (a graph for 1 sequence, one per quantization route range above: 1-2.5 minutes
+    # on 2 cores; needs g++). Single-stream decode steps 15-40% shorter, 10-15% at 16-64
+    # sequences (bench/README.md). Off by default: the startup cost, and it needs a compiler.
     enable_torch_compile: bool = False
-    torch_compile_max_bs: int = Field(default=1, ge=1)
+    torch_compile_max_bs: int = Field(default=32, ge=1)
     # SGLang's flags: on CUDA, decode steps of up to cuda_graph_max_bs sequences (and at most
     # max_num_seqs) replay CUDA graphs recorded at start (workers/scheduler/cuda_graphs.py);
     # on by default there, as in SGLang and vLLM. No effect on CPU.
