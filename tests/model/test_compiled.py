@@ -96,7 +96,7 @@ def test_one_graph_serves_every_batch_size_from_two(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """A graph for one sequence and one, with a dynamic batch, for 2 to `max_batch` (a graph
-    per size took a minute or more each on 2 cores); every size runs compiled, as eager.
+    per size took 25-35 s each on 2 cores); every size runs compiled, as eager.
     A Llama, not the Qwen3 of the other tests: its graphs are this test's own to count."""
     from transformers import LlamaConfig
 

@@ -10,8 +10,8 @@ VM: int4 steps 25.6 vs 33.9 ms, fp32 52.8 vs 61.9 (bench/README.md).
 
 Two graphs for steps where every sequence brings one token (decodes): one for a single
 sequence (static shapes: the tightest loops, for the latency of a lone stream) and one for 2
-to `max_batch` sequences, the batch a dynamic dimension (one graph per size took a minute or
-more of compiling each: 64 sizes would be an hour); the context length is dynamic in both.
+to `max_batch` sequences, the batch a dynamic dimension (one graph per size took 25-35 s of
+compiling each on 2 Zen 4 cores: half an hour for 64); the context length is dynamic in both.
 Where the step size picks a kernel (quantization's routes), dynamo guards on it and compiles
 a graph per route range. Prefill chunks, mixed steps and larger batches stay eager.
 Compiling takes tens of seconds per graph on 2 cores, so `warm_up` does it at load, before
