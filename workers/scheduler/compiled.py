@@ -93,6 +93,10 @@ class CompiledDecode:
 
 def _mark_dynamic_dims(input_ids: torch.Tensor, batch: AttentionBatch) -> None:
     """The context length, always; the batch (a token per sequence) from 2 sequences on."""
+    batched = input_ids.shape[0] > 1
+    if batched:
+        for tensor in (input_ids, batch.positions, batch.slot_mapping, batch.last_index):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
     for group in batch.groups:  # the context length: [kv_heads * blocks] rows, [.., Lk]
         torch._dynamo.maybe_mark_dynamic(group.kv_rows, 0)
         torch._dynamo.maybe_mark_dynamic(group.mask, 3)
@@ -100,18 +104,16 @@ def _mark_dynamic_dims(input_ids: torch.Tensor, batch: AttentionBatch) -> None:
             torch._dynamo.maybe_mark_dynamic(group.score_bias, 3)
         if group.block_tables is not None:
             torch._dynamo.maybe_mark_dynamic(group.block_tables, 1)
-    if input_ids.shape[0] < 2:
-        return
-    for tensor in (input_ids, batch.positions, batch.slot_mapping, batch.last_index):
-        torch._dynamo.maybe_mark_dynamic(tensor, 0)
-    for group in batch.groups:
-        for tensor in (group.token_index, group.padded_index, group.mask):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        if group.score_bias is not None:
-            torch._dynamo.maybe_mark_dynamic(group.score_bias, 1)
-        for optional in (group.block_tables, group.context_lens):
-            if optional is not None:
-                torch._dynamo.maybe_mark_dynamic(optional, 0)
+        if batched:  # [Tg], [Tg], [B, 1, Lq, Lk], [1, B, 1, Lk], [B, blocks], [B]
+            for tensor in (group.token_index, group.padded_index, group.mask):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            for optional, dim in (
+                (group.score_bias, 1),
+                (group.block_tables, 0),
+                (group.context_lens, 0),
+            ):
+                if optional is not None:
+                    torch._dynamo.maybe_mark_dynamic(optional, dim)
 
 
 def _warm_up_sequence(index: int, num_blocks: int, block_size: int) -> Sequence:
