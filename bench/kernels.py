@@ -13,12 +13,14 @@ activations (their fp32-activation paths are ~10x slower); fbgemm's dynamic int8
 real model); and `--quantization w8a8_int8`'s whole projections as the model runs them
 (bf16 activations, smoothing and 16 outlier channels from a calibration input): fbgemm's
 GEMM inside torch ops (`DynamicInt8`), and the C kernel (workers/scheduler/w8a8_kernel.py,
-where the CPU has AVX512-VNNI).
+where the CPU has AVX512-VNNI or AVX2); and the C kernel's W8A16 projection (16-bit
+activations, 8-bit weights: `w8a8_int8`'s down_proj, where the CPU has AVX2).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -103,6 +105,7 @@ KERNELS: dict[str, Callable[[torch.Tensor], Kernel]] = {
     "fbgemm dynamic int8 (per-tensor activations)": _fbgemm_dynamic,
     "W8A8 projection: fbgemm in torch ops (DynamicInt8)": _w8a8(DynamicInt8),
     "W8A8 projection: C kernel (AVX512-VNNI or AVX2)": _w8a8(w8a8_projection),
+    "W8A16 projection: C kernel (AVX2)": _w8a8(functools.partial(w8a8_projection, wide=True)),
 }
 
 
@@ -140,7 +143,7 @@ def main() -> None:
     for name, make in KERNELS.items():
         if make is _prepacked_bf16 and not can_prepack(weights[0].to(torch.bfloat16)):
             continue
-        if "C kernel" in name and not kernel_fits(weights[0]):
+        if "C kernel" in name and not kernel_fits(weights[0], wide="W8A16" in name):
             continue
         kernels = [make(w) for w in weights]
         row = []

@@ -59,7 +59,7 @@ def engine(
 def without_w8a8_kernel() -> contextlib.AbstractContextManager[object]:
     """While loading: w8a8_int8's projections on fbgemm's path (`DynamicInt8`), as on a CPU
     the C kernel does not take."""
-    return mock.patch.object(quantization, "kernel_fits", lambda weight: False)
+    return mock.patch.object(quantization, "kernel_fits", lambda weight, wide=False: False)
 
 
 def step(runner: TorchModelRunner, core: Scheduler) -> float:

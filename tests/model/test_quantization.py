@@ -191,11 +191,34 @@ def test_w8a8_follows_the_fp32_greedy_trajectory(
     if kernel == FusedW8A8 and not kernel_fits(torch.zeros(64, 64)):
         pytest.skip("neither AVX512-VNNI nor AVX2 here: the C kernel is not offered")
     if kernel == DynamicInt8:
-        monkeypatch.setattr(quantization, "kernel_fits", lambda weight: False)
+        monkeypatch.setattr(quantization, "kernel_fits", lambda weight, wide=False: False)
     w8a8 = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="w8a8_int8")
     assert route_every_size(w8a8.model, "w8a8") == 4 * len(w8a8.model.layers) + 1
-    w8a8_layers = [m for m in w8a8.model.modules() if isinstance(m, kernel)]
+    w8a8_layers = [m for m in w8a8.model.modules() if isinstance(m, kernel) and not wide(m)]
     assert len(w8a8_layers) == 3 * len(w8a8.model.layers) + 1  # the head's too
+    result = agreement(reference, w8a8)
+    assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
+    assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)
+
+
+def wide(module: nn.Module) -> bool:
+    return isinstance(module, FusedW8A8) and module.wide
+
+
+def test_w8a16_down_proj_follows_the_fp32_greedy_trajectory(
+    model_path: str, reference: Reference
+) -> None:
+    # As above, down_proj in W8A16 instead of int4 (its input's outliers cost W8A8 22 of 160
+    # top-1 agreements; in the AVX2 kernel 154/160, mean 0.071). On 2 Zen 3 cores (AVX2),
+    # fp32: 156/160, mean |logprob error| 0.038, max 0.31 (down in int4 in the same run:
+    # 155/160, 0.039, max 0.43).
+    if not kernel_fits(torch.zeros(64, 64), wide=True):
+        pytest.skip("no AVX2 here: W8A16 is not offered")
+    w8a8 = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="w8a8_int8")
+    assert route_every_size(w8a8.model, "w8a8", "w8a16") == 4 * len(w8a8.model.layers) + 1
+    downs = [m for name, m in w8a8.model.named_modules() if name.endswith("down_proj")]
+    assert all(d.kernels["w8a16"].wide for d in downs)
+    assert sum(wide(m) for m in w8a8.model.modules()) == len(w8a8.model.layers)
     result = agreement(reference, w8a8)
     assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
     assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)

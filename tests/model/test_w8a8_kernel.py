@@ -1,6 +1,7 @@
-"""The W8A8 projection in C (w8a8_kernel.py): its own math, the dense weights within the
-int8 tolerance, every tile remainder, bf16 and fp32, no saturation at the extremes, and the
-portable loops as well as the AVX2 and AVX512-VNNI ones (where this CPU has them)."""
+"""The W8A8 and W8A16 projections in C (w8a8_kernel.py): their own math, the dense weights
+within the int8 tolerance, every tile remainder, bf16 and fp32, no saturation or overflow at
+the extremes, and the portable loops as well as the AVX2 and AVX512-VNNI ones (where this
+CPU has them)."""
 
 from __future__ import annotations
 
@@ -38,45 +39,60 @@ def _path_name(flags: tuple[str, ...]) -> str:
 BUILDS = pytest.mark.parametrize("flags", _builds(), ids=_path_name)
 
 
-def fused(dense: nn.Linear, input_max: torch.Tensor, flags: tuple[str, ...]) -> FusedW8A8:
-    """`w8a8_kernel`'s FusedW8A8 for `dense`, on the library built with `flags`."""
+def fused(
+    dense: nn.Linear, input_max: torch.Tensor, flags: tuple[str, ...], wide: bool = False
+) -> FusedW8A8:
+    """`w8a8_kernel`'s FusedW8A8 (`wide`: W8A16) for `dense`, on the library built with
+    `flags`."""
     lib = build_kernel(flags)
     if lib is None:
         pytest.skip("no C compiler here")
-    kernel = w8a8_projection(dense.weight, input_max, lib)
+    kernel = w8a8_projection(dense.weight, input_max, lib, wide)
     assert isinstance(kernel, FusedW8A8)
     return kernel
 
 
 def unpack(kernel: FusedW8A8) -> torch.Tensor:
     """The int8 weight [out, in] back from its packed layout."""
-    blocks, steps, tile, four = kernel.packed.shape
-    return kernel.packed.transpose(1, 2).reshape(blocks * tile, steps * four)
+    blocks, steps, tile, step = kernel.packed.shape
+    return kernel.packed.transpose(1, 2).reshape(blocks * tile, steps * step)
+
+
+def activation_levels(kernel: FusedW8A8) -> int:
+    lib = build_kernel()
+    assert lib is not None
+    return lib.w8a16_activation_levels(kernel.in_features) if kernel.wide else 127
 
 
 def its_own_math(kernel: FusedW8A8, dense: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes: per-token int8 activations of x * inverse smoothing
-    (scaled in fp32, rounded half to even), exact integer products, the outliers in full."""
+    """What the kernel computes: per-token int8 (W8A16: int16) activations of x * inverse
+    smoothing (scaled in fp32, rounded half to even), exact integer products, the outliers
+    in full."""
     rows = x.float() * kernel.inverse_smooth
-    scale = rows.abs().amax(1, keepdim=True) / 127
-    q_x = torch.round(rows * (1 / scale)).clamp(-127, 127).double()
+    levels = activation_levels(kernel)
+    scale = rows.abs().amax(1, keepdim=True) / levels
+    q_x = torch.round(rows * (1 / scale)).clamp(-levels, levels).double()
     products = (q_x @ unpack(kernel).double().t()) * scale.double() * kernel.scale.double()
     outliers = kernel.outliers.long()
     weight = dense.weight.detach().double()[:, outliers]
     return products + x.double()[:, outliers] @ weight.t()
 
 
+WIDTHS = pytest.mark.parametrize("wide", [False, True], ids=["w8a8", "w8a16"])
+
+
 @BUILDS
+@WIDTHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 7, 17])
 def test_the_kernel_computes_its_own_math(
-    flags: tuple[str, ...], dtype: torch.dtype, tokens: int
+    flags: tuple[str, ...], wide: bool, dtype: torch.dtype, tokens: int
 ) -> None:
     torch.manual_seed(tokens)
     dense = nn.Linear(132, 192, bias=False)  # 3 tiles of 64 outputs, 33 steps of 4 inputs
     x = torch.randn(tokens, 132)
     x[:, [5, 60]] *= 40  # outlier channels
-    kernel = fused(dense, x.abs().amax(0), flags)
+    kernel = fused(dense, x.abs().amax(0), flags, wide)
     x = x.to(dtype)
     got = kernel(x)
     assert got.dtype == dtype and got.shape == (tokens, 192)
@@ -105,6 +121,27 @@ def test_the_widest_products_do_not_saturate(flags: tuple[str, ...], sign: float
 
 
 @BUILDS
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_w8a16_sums_stay_within_int32_at_the_widest_levels(
+    flags: tuple[str, ...], sign: float
+) -> None:
+    """W8A16 over 4096 inputs, every weight at 127 and every activation at its widest level:
+    the sums come within 1% of int32's range and do not wrap."""
+    in_features = 4096
+    dense = nn.Linear(in_features, 16, bias=False)
+    with torch.no_grad():
+        dense.weight.fill_(0.01)
+    kernel = fused(dense, torch.ones(in_features), flags, wide=True)
+    levels = activation_levels(kernel)
+    assert 0.99 * 2**31 < 127 * levels * (in_features - 16) < 2**31  # 16 channels are outliers
+    x = torch.full((3, in_features), sign)
+    # fp32 dequantization of sums near 2**31: exact up to its rounding (an overflow wraps)
+    torch.testing.assert_close(
+        kernel(x).double(), its_own_math(kernel, dense, x), rtol=1e-5, atol=0
+    )
+
+
+@BUILDS
 def test_the_kernel_follows_the_dense_weights_as_fbgemm_does(flags: tuple[str, ...]) -> None:
     torch.manual_seed(0)
     dense = nn.Linear(256, 128, bias=False)
@@ -116,11 +153,14 @@ def test_the_kernel_follows_the_dense_weights_as_fbgemm_does(flags: tuple[str, .
         name: float((kernel(x) - exact).abs().max() / exact.abs().max())
         for name, kernel in (
             ("fused", fused(dense, input_max, flags)),
+            ("wide", fused(dense, input_max, flags, wide=True)),
             ("fbgemm", DynamicInt8(dense.weight, input_max)),
         )
     }
-    # 8-bit activations (fbgemm keeps 7): at least as close as fbgemm's, and close
+    # 8-bit activations (fbgemm keeps 7): at least as close as fbgemm's, and close; 16-bit
+    # activations with 8-bit weights closer still
     assert errors["fused"] < 0.004 and errors["fused"] <= errors["fbgemm"] * 1.1, errors
+    assert errors["wide"] < errors["fused"], errors
 
 
 def test_shapes_out_of_whole_tiles_take_fbgemm() -> None:
@@ -133,19 +173,22 @@ def test_without_avx2_the_kernel_is_not_offered(monkeypatch: pytest.MonkeyPatch)
     portable = build_kernel(("-mno-avx2",))
     if portable is None:
         pytest.skip("no C compiler here")
-    monkeypatch.setattr(quantization, "kernel_fits", lambda weight: False)
+    monkeypatch.setattr(quantization, "kernel_fits", lambda weight, wide=False: False)
     dense = nn.Linear(128, 128)
     assert isinstance(w8a8_projection(dense.weight, torch.ones(128)), DynamicInt8)
     assert portable.w8a8_vectorized() == 0
 
 
 @BUILDS
-def test_a_compiled_forward_runs_the_kernel_inside_one_graph(flags: tuple[str, ...]) -> None:
+@WIDTHS
+def test_a_compiled_forward_runs_the_kernel_inside_one_graph(
+    flags: tuple[str, ...], wide: bool
+) -> None:
     """`--enable-torch-compile` with decode batches on the kernel's route: the kernel is
     one op of the graph (fullgraph: a graph break fails), with the eager result."""
     torch.manual_seed(0)
     dense = nn.Linear(128, 128, bias=False)
-    kernel = fused(dense, torch.ones(128), flags)
+    kernel = fused(dense, torch.ones(128), flags, wide)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.relu(kernel(torch.sin(x))) * 2

@@ -19,6 +19,11 @@ interleaved (`bench/steps.py --modes w8a8_int8 --w8a8-ab`): 47.6 vs 52.9 ms at 4
 sequences, 88.3 vs 95.6 and 100.8 vs 106.2 at 16, 239 vs 232 at 64 (fbgemm's GEMM keeps
 up at 64 tokens and runs the LM head faster from 16 on). Every step through W8A8: top-1
 157/160 against fp32, mean |logprob error| 0.037 (fbgemm's 156/160, 0.042).
+
+`wide` (W8A16, down_proj's route on AVX2 CPUs): int16 activations, 8-bit weights, vpmaddwd;
+as fast as W8A8 on Zen 3 (`bench/kernels.py`, 120 projections: 27.3 vs 26.8 ms at 16 tokens,
+75.7 vs 83.5 at 64; fp32 85.3 and 169.1, int4 58.4 and 205.7), which took a 16-sequence
+engine step from 84-94 to 68-70 ms, down_proj having run in fp32 there.
 """
 
 from __future__ import annotations
@@ -46,33 +51,49 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.w8a8_linear.restype = i32
     lib.w8a8_linear.argtypes = [pointer, i32, i32, i32, *[pointer] * 5, i32, pointer, pointer]
     lib.w8a8_linear.argtypes += [i32, i32]
+    lib.w8a16_linear.restype = i32
+    lib.w8a16_linear.argtypes = [pointer, i32, i32, i32, *[pointer] * 4, i32, pointer, pointer]
+    lib.w8a16_linear.argtypes += [i32, i32]
     lib.w8a8_vectorized.restype = i32
+    lib.w8a16_vectorized.restype = i32
+    lib.w8a16_activation_levels.restype = i32
+    lib.w8a16_activation_levels.argtypes = [i32]
     lib.w8a8_weight_levels.restype = i32
     lib.w8a8_tile_n.restype = i32
     return lib
 
 
-def kernel_fits(weight: torch.Tensor) -> bool:
-    """Whether the vectorized kernel builds here (AVX512-VNNI or AVX2) and takes this
-    [out, in] weight."""
+def kernel_fits(weight: torch.Tensor, wide: bool = False) -> bool:
+    """Whether the vectorized kernel builds here (W8A8: AVX512-VNNI or AVX2; `wide`, W8A16:
+    AVX2) and takes this [out, in] weight."""
     out_features, in_features = weight.shape
     lib = build_kernel()
+    if weight.device.type != "cpu" or lib is None:
+        return False
+    if wide:
+        return (
+            out_features % W8A16_TILE == 0 and in_features % 2 == 0 and bool(lib.w8a16_vectorized())
+        )
     return (
-        weight.device.type == "cpu"
-        and lib is not None
-        and out_features % lib.w8a8_tile_n() == 0
+        out_features % lib.w8a8_tile_n() == 0
         and in_features % 4 == 0
         and bool(lib.w8a8_vectorized())
     )
 
 
+W8A16_TILE = 16  # output channels per packed block of w8a16_linear
+
+
 class FusedW8A8(nn.Module):
     """x @ w.T for w = q * scale (int8 per output channel, `q` [out, in]) applied to x *
     `inverse_smooth`, plus x's `outliers` channels times `outlier_weight` [out, outliers]
-    in fp32. Output in x's dtype (bf16 or fp32), no bias."""
+    in fp32. Output in x's dtype (bf16 or fp32), no bias. `wide`: the activations in 16
+    bits instead of 8 (w8a16_linear; for inputs with outliers the 16 channels set apart do
+    not hold)."""
 
-    packed: torch.Tensor  # [out / tile][in / 4][tile][4] int8 (`w8a8_tile_n()`: 64 or 16)
-    colsum: torch.Tensor  # [out] int32, 128 * sum of each output channel's q
+    packed: torch.Tensor  # [out / tile][in / 4][tile][4] int8 (`w8a8_tile_n()`: 64 or 16);
+    # wide: [out / 16][in / 2][16][2]
+    colsum: torch.Tensor  # [out] int32, 128 * sum of each output channel's q (wide: unused)
     scale: torch.Tensor  # [out] fp32
     inverse_smooth: torch.Tensor  # [in] fp32, 0 at the outlier channels
     outliers: torch.Tensor  # [outliers] int32
@@ -86,22 +107,23 @@ class FusedW8A8(nn.Module):
         outliers: torch.Tensor,
         outlier_weight: torch.Tensor,
         library: ctypes.CDLL | None = None,
+        wide: bool = False,
     ) -> None:
         super().__init__()
         out_features, in_features = q.shape
         lib = library or build_kernel()
         if lib is None:
             raise RuntimeError("the w8a8 kernel is not built (no C compiler?)")
-        tile = lib.w8a8_tile_n()
-        if out_features % tile or in_features % 4:
+        tile, step = (W8A16_TILE, 2) if wide else (lib.w8a8_tile_n(), 4)
+        if out_features % tile or in_features % step:
             raise ValueError(f"w8a8 kernel: shape {tuple(q.shape)} is not in whole tiles")
-        self.library_index = _library_index(lib)
+        self.library_index, self.wide = _library_index(lib), wide
         self.out_features, self.in_features = out_features, in_features
         blocks = out_features // tile
-        packed = q.view(blocks, tile, in_features // 4, 4).transpose(1, 2)
+        packed = q.view(blocks, tile, in_features // step, step).transpose(1, 2)
         per_block = outlier_weight.float().t().reshape(-1, blocks, tile).transpose(0, 1)
         buffers = {
-            "packed": packed.contiguous(),  # [blocks][in / 4][tile][4]
+            "packed": packed.contiguous(),  # [blocks][in / step][tile][step]
             "colsum": 128 * q.sum(1, dtype=torch.int32),
             "scale": scale.float().contiguous(),
             "inverse_smooth": inverse_smooth.float().contiguous(),
@@ -128,6 +150,7 @@ class FusedW8A8(nn.Module):
             self.outliers,
             self.outlier_weight,
             self.library_index,
+            self.wide,
         )
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
@@ -154,6 +177,7 @@ def _run(
     outliers: torch.Tensor,
     outlier_weight: torch.Tensor,
     library: int,
+    wide: bool,
 ) -> torch.Tensor:
     """`FusedW8A8`'s product of contiguous bf16 or fp32 `rows` [tokens, in], by its buffers."""
     out_features = packed.shape[0] * packed.shape[2]
@@ -161,22 +185,12 @@ def _run(
     if rows.shape[0] == 0:
         return out
     is_bf16 = int(rows.dtype == torch.bfloat16)
-    status = _LIBRARIES[library].w8a8_linear(
-        rows.data_ptr(),
-        is_bf16,
-        rows.shape[0],
-        rows.shape[1],
-        inverse_smooth.data_ptr(),
-        packed.data_ptr(),
-        colsum.data_ptr(),
-        scale.data_ptr(),
-        outliers.data_ptr(),
-        outliers.shape[0],
-        outlier_weight.data_ptr(),
-        out.data_ptr(),
-        is_bf16,
-        out_features,
-    )
+    lib = _LIBRARIES[library]
+    head = (rows.data_ptr(), is_bf16, rows.shape[0], rows.shape[1], inverse_smooth.data_ptr())
+    weights = (packed.data_ptr(),) if wide else (packed.data_ptr(), colsum.data_ptr())
+    tail = (scale.data_ptr(), outliers.data_ptr(), outliers.shape[0], outlier_weight.data_ptr())
+    run = lib.w8a16_linear if wide else lib.w8a8_linear
+    status = run(*head, *weights, *tail, out.data_ptr(), is_bf16, out_features)
     if status:
         raise RuntimeError(f"w8a8 kernel failed ({status})")
     return out

@@ -14,7 +14,14 @@
  * - AVX2: vpmaddubsw + vpmaddwd, blocks of 16 channels, 7-bit weights (see its notes);
  * - neither: plain loops over the same layout (for the tests; w8a8_kernel.py offers the
  *   kernel only where `w8a8_vectorized()` is not 0).
- * `w8a8_tile_n()` and `w8a8_weight_levels()` tell the packing code which. */
+ * `w8a8_tile_n()` and `w8a8_weight_levels()` tell the packing code which.
+ *
+ * `w8a16_linear`: the same with 16-bit activations and 8-bit weights, for inputs whose
+ * outliers cost W8A8 too much (down_proj's silu(gate) * up). vpmaddwd multiplies int16
+ * pairs, 16 products an instruction: per multiply the same rate as vpmaddubsw + vpmaddwd's
+ * 32 bytes in two. Weights packed [N / 16][K / 2][16 channels][2 bytes], sign-extended to
+ * int16 as they load; activations scaled to `w8a16_activation_levels(K)`, so that the
+ * int32 sums cannot overflow. Vectorized wherever the CPU has AVX2. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,55 +50,64 @@ static inline float load1(const void *x, size_t i, int bf16) {
 }
 
 typedef struct {
-    const int8_t *packed;       /* [N / TILE_N][K / 4][TILE_N][4] */
-    const int32_t *colsum;      /* [N] 128 * sum_k w[n][k] */
+    const int8_t *packed;       /* [N / TILE_N][K / 4][TILE_N][4]; W8A16: [N / 16][K / 2][16][2] */
+    const int32_t *colsum;      /* [N] 128 * sum_k w[n][k]; NULL for W8A16 (signed activations) */
     const float *scale;         /* [N] per output channel */
     const int32_t *outliers;    /* [n_out] input channels multiplied apart */
-    const float *outlier_w;     /* [N / TILE_N][n_out][TILE_N] */
+    const float *outlier_w;     /* [N / tile][n_out][tile] */
     int n_out;
+    int tile;                   /* output channels per packed block */
 } Weights;
 
 typedef struct {
-    const uint8_t *q; /* [M][K] q + 128 */
+    const void *q; /* [M][K] uint8 q + 128, or int16 q for W8A16 */
     const float *scale; /* [M] */
     const float *outlier_x; /* [M][n_out] */
 } Activations;
 
-/* Per token: x * inverse_smooth scaled to [-127, 127] by its largest |value|. Each branch
- * of `x_bf16` gets its own copy of the loops (inlined with a constant), so gcc vectorizes
- * them: scalar, this pass took about a fifth of a 64-token projection. */
-static inline __attribute__((always_inline)) void quantize_rows(const void *x, const int x_bf16, int M, int K,
-                                                                const float *inverse_smooth, const Weights *w,
-                                                                uint8_t *q, float *scale,
-                                                                float *outlier_x) {
+/* Per token: x * inverse_smooth scaled to [-levels, levels] by its largest |value|, as
+ * uint8 q + 128 or (`wide`) int16. Each branch of `x_bf16` and `wide` gets its own copy of
+ * the loops (inlined with constants), so gcc vectorizes them: scalar, this pass took about
+ * a fifth of a 64-token projection. */
+static inline __attribute__((always_inline)) void quantize_rows(const void *x, const int x_bf16, const int wide,
+                                                                int M, int K, const float *inverse_smooth,
+                                                                const Weights *w, float levels, void *q,
+                                                                float *scale, float *outlier_x) {
 #pragma omp parallel for schedule(static) if (M >= 64)
     for (int m = 0; m < M; m++) {
         size_t row = (size_t)m * K;
         float amax = 0.f;
         for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load1(x, row + k, x_bf16) * inverse_smooth[k]));
-        float s = amax > 1e-30f ? amax / 127.f : 1.f, inv = 1.f / s;
+        float s = amax > 1e-30f ? amax / levels : 1.f, inv = 1.f / s;
         for (int k = 0; k < K; k++) {
-            float v = load1(x, row + k, x_bf16) * inverse_smooth[k] * inv;
-            q[row + k] = (uint8_t)((int)nearbyintf(fminf(fmaxf(v, -127.f), 127.f)) + 128);
+            int v = (int)nearbyintf(fminf(fmaxf(load1(x, row + k, x_bf16) * inverse_smooth[k] * inv, -levels), levels));
+            if (wide)
+                ((int16_t *)q)[row + k] = (int16_t)v;
+            else
+                ((uint8_t *)q)[row + k] = (uint8_t)(v + 128);
         }
         scale[m] = s;
         for (int o = 0; o < w->n_out; o++) outlier_x[m * w->n_out + o] = load1(x, row + w->outliers[o], x_bf16);
     }
 }
 
-static void quantize(const void *x, int x_bf16, int M, int K, const float *inverse_smooth,
-                     const Weights *w, uint8_t *q, float *scale, float *outlier_x) {
-    if (x_bf16)
-        quantize_rows(x, 1, M, K, inverse_smooth, w, q, scale, outlier_x);
+static void quantize(const void *x, int x_bf16, int wide, int M, int K, const float *inverse_smooth,
+                     const Weights *w, float levels, void *q, float *scale, float *outlier_x) {
+    if (wide && x_bf16)
+        quantize_rows(x, 1, 1, M, K, inverse_smooth, w, levels, q, scale, outlier_x);
+    else if (wide)
+        quantize_rows(x, 0, 1, M, K, inverse_smooth, w, levels, q, scale, outlier_x);
+    else if (x_bf16)
+        quantize_rows(x, 1, 0, M, K, inverse_smooth, w, levels, q, scale, outlier_x);
     else
-        quantize_rows(x, 0, M, K, inverse_smooth, w, q, scale, outlier_x);
+        quantize_rows(x, 0, 0, M, K, inverse_smooth, w, levels, q, scale, outlier_x);
 }
 
 /* Output channel n of token m from its int32 sum: dequantized, plus the outliers. */
 static inline float finish1(int32_t sum, int m, int n, const Weights *w, const Activations *a) {
-    float v = (float)(sum - w->colsum[n]) * a->scale[m] * w->scale[n];
-    const float *ow = w->outlier_w + (size_t)(n / TILE_N) * w->n_out * TILE_N + n % TILE_N;
-    for (int o = 0; o < w->n_out; o++) v += a->outlier_x[m * w->n_out + o] * ow[o * TILE_N];
+    float v = (float)(sum - (w->colsum ? w->colsum[n] : 0)) * a->scale[m] * w->scale[n];
+    const float *ow = w->outlier_w + (size_t)(n / w->tile) * w->n_out * w->tile + n % w->tile;
+    for (int o = 0; o < w->n_out; o++) v += a->outlier_x[m * w->n_out + o] * ow[o * w->tile];
     return v;
 }
 
@@ -101,6 +117,33 @@ static inline void store1(void *out, size_t i, float v, int bf16) {
     else
         ((float *)out)[i] = v;
 }
+
+#ifdef __AVX2__
+static inline void store8(void *out, size_t i, __m256 v, int bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)out + i, v);
+        return;
+    }
+    __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
+    __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + i), halves);
+}
+
+/* 8 channels n.. of token m from their int32 sums. */
+static void finish8(__m256i sum, int m, int n, const Weights *w, const Activations *a,
+                    void *out, int N, int bf16) {
+    __m256i centred = w->colsum ? _mm256_sub_epi32(sum, _mm256_loadu_si256((const __m256i *)(w->colsum + n))) : sum;
+    __m256 scale = _mm256_mul_ps(_mm256_set1_ps(a->scale[m]), _mm256_loadu_ps(w->scale + n));
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(centred), scale);
+    const float *ow = w->outlier_w + (size_t)(n / w->tile) * w->n_out * w->tile + n % w->tile;
+    for (int o = 0; o < w->n_out; o++)
+        v = _mm256_fmadd_ps(_mm256_set1_ps(a->outlier_x[m * w->n_out + o]), _mm256_loadu_ps(ow + o * w->tile), v);
+    store8(out, (size_t)m * N + n, v, bf16);
+}
+
+#endif
 
 #ifdef __AVX512VNNI__
 
@@ -139,10 +182,10 @@ static void finish16(__m512i sum, int m, int n, const Weights *w, const Activati
 /* Tokens m0..m0+3 (past M: token M-1 again, not stored) x channels 64 * block... */
 static void tile(int m0, int block, int M, int K, int N, const Weights *w, const Activations *a,
                  void *out, int bf16) {
-    const uint8_t *r0 = a->q + (size_t)m0 * K;
-    const uint8_t *r1 = a->q + (size_t)(m0 + 1 < M ? m0 + 1 : M - 1) * K;
-    const uint8_t *r2 = a->q + (size_t)(m0 + 2 < M ? m0 + 2 : M - 1) * K;
-    const uint8_t *r3 = a->q + (size_t)(m0 + 3 < M ? m0 + 3 : M - 1) * K;
+    const uint8_t *r0 = (const uint8_t *)a->q + (size_t)m0 * K;
+    const uint8_t *r1 = (const uint8_t *)a->q + (size_t)(m0 + 1 < M ? m0 + 1 : M - 1) * K;
+    const uint8_t *r2 = (const uint8_t *)a->q + (size_t)(m0 + 2 < M ? m0 + 2 : M - 1) * K;
+    const uint8_t *r3 = (const uint8_t *)a->q + (size_t)(m0 + 3 < M ? m0 + 3 : M - 1) * K;
     __m512i s00 = _mm512_setzero_si512(), s01 = s00, s02 = s00, s03 = s00;
     __m512i s10 = s00, s11 = s00, s12 = s00, s13 = s00;
     __m512i s20 = s00, s21 = s00, s22 = s00, s23 = s00;
@@ -174,30 +217,6 @@ static void tile(int m0, int block, int M, int K, int N, const Weights *w, const
  * projection, 2 threads: 2.97 ms against 1.43). 16 ymm registers hold 4 tokens x 16
  * channels, so a block is 16 channels here. */
 
-static inline void store8(void *out, size_t i, __m256 v, int bf16) {
-    if (!bf16) {
-        _mm256_storeu_ps((float *)out + i, v);
-        return;
-    }
-    __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
-    __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-    __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-    _mm_storeu_si128((__m128i *)((uint16_t *)out + i), halves);
-}
-
-/* 8 channels n.. of token m from their int32 sums. */
-static void finish8(__m256i sum, int m, int n, const Weights *w, const Activations *a,
-                    void *out, int N, int bf16) {
-    __m256i centred = _mm256_sub_epi32(sum, _mm256_loadu_si256((const __m256i *)(w->colsum + n)));
-    __m256 scale = _mm256_mul_ps(_mm256_set1_ps(a->scale[m]), _mm256_loadu_ps(w->scale + n));
-    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(centred), scale);
-    const float *ow = w->outlier_w + (size_t)(n / TILE_N) * w->n_out * TILE_N + n % TILE_N;
-    for (int o = 0; o < w->n_out; o++)
-        v = _mm256_fmadd_ps(_mm256_set1_ps(a->outlier_x[m * w->n_out + o]), _mm256_loadu_ps(ow + o * TILE_N), v);
-    store8(out, (size_t)m * N + n, v, bf16);
-}
-
 /* Tokens m0..m0+T-1 x channels 16 * block...: per k-step two ymm of weights, then per
  * token and register a vpmaddubsw, a vpmaddwd and a vpaddd. */
 static inline __attribute__((always_inline)) void tile_of(const int T, int m0, int block, int K, int N,
@@ -207,7 +226,7 @@ static inline __attribute__((always_inline)) void tile_of(const int T, int m0, i
     const int32_t *rows[TILE_M];
     __m256i sums[TILE_M][2];
     for (int t = 0; t < T; t++) {
-        rows[t] = (const int32_t *)(a->q + (size_t)(m0 + t) * K);
+        rows[t] = (const int32_t *)((const uint8_t *)a->q + (size_t)(m0 + t) * K);
         sums[t][0] = sums[t][1] = _mm256_setzero_si256();
     }
     int n0 = block * TILE_N;
@@ -225,10 +244,42 @@ static inline __attribute__((always_inline)) void tile_of(const int T, int m0, i
         for (int j = 0; j < 2; j++) finish8(sums[t][j], m0 + t, n0 + 8 * j, w, a, out, N, bf16);
 }
 
+#define MADD2(s0, s1, row)                                                                \
+    do {                                                                                  \
+        __m256i xb = _mm256_set1_epi32((row)[k4]);                                        \
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w0), ones)); \
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w1), ones)); \
+    } while (0)
+
+/* tile_of(4, ...) with the eight sums in named registers: as an array gcc kept them in
+ * memory, a store and a reload in every k-step's dependency chain (a pass over the model's
+ * 120 projections 12-16% longer at 16-256 tokens). With `prefetch_next` (a block's second
+ * tile, its own weights in L1 by then) it pulls the next block's weights in, one line per
+ * k-step, so memory streams while it multiplies (at 16 tokens a further ~6%). */
+static void tile4(int m0, int block, int K, int N, const Weights *w, const Activations *a, void *out, int bf16,
+                  int prefetch_next) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int32_t *r0 = (const int32_t *)((const uint8_t *)a->q + (size_t)m0 * K), *r1 = r0 + K / 4, *r2 = r1 + K / 4, *r3 = r2 + K / 4;
+    __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
+    const int8_t *p = w->packed + (size_t)block * (K / 4) * 4 * TILE_N;
+    for (int k4 = 0; k4 < K / 4; k4++, p += 4 * TILE_N) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)p), w1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        __asm__("" : "+x"(w0), "+x"(w1));
+        if (prefetch_next) _mm_prefetch((const char *)(p + (size_t)K * TILE_N), _MM_HINT_T0);
+        MADD2(s00, s01, r0);
+        MADD2(s10, s11, r1);
+        MADD2(s20, s21, r2);
+        MADD2(s30, s31, r3);
+    }
+    __m256i sums[TILE_M][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};
+    for (int t = 0; t < TILE_M; t++)
+        for (int j = 0; j < 2; j++) finish8(sums[t][j], m0 + t, block * TILE_N + 8 * j, w, a, out, N, bf16);
+}
+
 static void tile(int m0, int block, int M, int K, int N, const Weights *w, const Activations *a,
                  void *out, int bf16) {
     switch (M - m0 >= TILE_M ? TILE_M : M - m0) {
-    case 4: tile_of(4, m0, block, K, N, w, a, out, bf16); break;
+    case 4: tile4(m0, block, K, N, w, a, out, bf16, m0 == TILE_M); break;
     case 3: tile_of(3, m0, block, K, N, w, a, out, bf16); break;
     case 2: tile_of(2, m0, block, K, N, w, a, out, bf16); break;
     default: tile_of(1, m0, block, K, N, w, a, out, bf16);
@@ -240,11 +291,67 @@ static void tile(int m0, int block, int M, int K, int N, const Weights *w, const
                  void *out, int bf16) {
     const int8_t *p = w->packed + (size_t)block * (K / 4) * 4 * TILE_N;
     for (int m = m0; m < m0 + TILE_M && m < M; m++) {
-        const uint8_t *row = a->q + (size_t)m * K;
+        const uint8_t *row = (const uint8_t *)a->q + (size_t)m * K;
         for (int c = 0; c < TILE_N; c++) {
             int32_t sum = 0;
             for (int k = 0; k < K; k++) sum += (int32_t)row[k] * p[(size_t)(k / 4) * 4 * TILE_N + c * 4 + k % 4];
             int n = block * TILE_N + c;
+            store1(out, (size_t)m * N + n, finish1(sum, m, n, w, a), bf16);
+        }
+    }
+}
+#endif
+
+/* W8A16: tokens m0..m0+T-1 (T <= 3: as an array, gcc keeps T = 4's sums in memory) x
+ * channels 16 * block...: per k-step (2 channels' worth of k) 16 weights sign-extended to
+ * int16 once for all the tile's tokens, then per token and register a vpmaddwd and a vpaddd. */
+#define W16_TILE_N 16
+#define W16_TILE_M 3
+
+#ifdef __AVX2__
+static inline __attribute__((always_inline)) void tile16_of(const int T, int m0, int block, int K, int N,
+                                                            const Weights *w, const Activations *a, void *out,
+                                                            int bf16, int prefetch_next) {
+    const int32_t *rows[W16_TILE_M];
+    __m256i sums[W16_TILE_M][2];
+    for (int t = 0; t < T; t++) {
+        rows[t] = (const int32_t *)((const int16_t *)a->q + (size_t)(m0 + t) * K);
+        sums[t][0] = sums[t][1] = _mm256_setzero_si256();
+    }
+    const int8_t *p = w->packed + (size_t)block * K * W16_TILE_N;
+    for (int k2 = 0; k2 < K / 2; k2++, p += 2 * W16_TILE_N) {
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+        if (prefetch_next && !(k2 & 1)) _mm_prefetch((const char *)(p + (size_t)K * W16_TILE_N), _MM_HINT_T0);
+        for (int t = 0; t < T; t++) {
+            __m256i xb = _mm256_set1_epi32(rows[t][k2]);
+            sums[t][0] = _mm256_add_epi32(sums[t][0], _mm256_madd_epi16(xb, w0));
+            sums[t][1] = _mm256_add_epi32(sums[t][1], _mm256_madd_epi16(xb, w1));
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < 2; j++) finish8(sums[t][j], m0 + t, block * W16_TILE_N + 8 * j, w, a, out, N, bf16);
+}
+
+static void tile16(int m0, int block, int M, int K, int N, const Weights *w, const Activations *a, void *out,
+                   int bf16) {
+    int prefetch_next = m0 == W16_TILE_M;
+    switch (M - m0 >= W16_TILE_M ? W16_TILE_M : M - m0) {
+    case 3: tile16_of(3, m0, block, K, N, w, a, out, bf16, prefetch_next); break;
+    case 2: tile16_of(2, m0, block, K, N, w, a, out, bf16, prefetch_next); break;
+    default: tile16_of(1, m0, block, K, N, w, a, out, bf16, prefetch_next);
+    }
+}
+#else
+static void tile16(int m0, int block, int M, int K, int N, const Weights *w, const Activations *a, void *out,
+                   int bf16) {
+    const int8_t *p = w->packed + (size_t)block * K * W16_TILE_N;
+    for (int m = m0; m < m0 + W16_TILE_M && m < M; m++) {
+        const int16_t *row = (const int16_t *)a->q + (size_t)m * K;
+        for (int c = 0; c < W16_TILE_N; c++) {
+            int32_t sum = 0;
+            for (int k = 0; k < K; k++) sum += (int32_t)row[k] * p[(size_t)(k / 2) * 2 * W16_TILE_N + c * 2 + k % 2];
+            int n = block * W16_TILE_N + c;
             store1(out, (size_t)m * N + n, finish1(sum, m, n, w, a), bf16);
         }
     }
@@ -268,26 +375,62 @@ int w8a8_vectorized(void) {
 #endif
 }
 
-/* out[M][N] = W8A8(x[M][K]); 0, or 1 for a shape it does not take, 2 out of memory. */
-int w8a8_linear(const void *x, int x_bf16, int M, int K, const float *inverse_smooth,
-                const int8_t *packed, const int32_t *colsum, const float *scale,
-                const int32_t *outliers, int n_out, const float *outlier_w, void *out,
-                int out_bf16, int N) {
-    if (M < 1 || K % 4 || N % TILE_N) return 1;
-    Weights w = {packed, colsum, scale, outliers, outlier_w, n_out};
-    uint8_t *q = malloc((size_t)M * K);
+/* W8A16's activation levels for K input channels: K * 127 * levels stays within int32. */
+int w8a16_activation_levels(int K) {
+    long levels = 2147483647L / (127L * (K > 0 ? K : 1));
+    return levels > 32767 ? 32767 : (int)levels;
+}
+
+/* W8A16 vectorized: 1 where the CPU has AVX2, else 0 (the portable loops). */
+int w8a16_vectorized(void) {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out[M][N] = W8A8(x[M][K]), or W8A16 if `wide` (no colsum); 0, 1 for a shape it does not
+ * take, 2 out of memory. */
+static int linear(int wide, const void *x, int x_bf16, int M, int K, const float *inverse_smooth,
+                  const int8_t *packed, const int32_t *colsum, const float *scale, const int32_t *outliers,
+                  int n_out, const float *outlier_w, void *out, int out_bf16, int N) {
+    int tile_n = wide ? W16_TILE_N : TILE_N, tile_m = wide ? W16_TILE_M : TILE_M;
+    if (M < 1 || K % (wide ? 2 : 4) || N % tile_n) return 1;
+    Weights w = {packed, wide ? NULL : colsum, scale, outliers, outlier_w, n_out, tile_n};
+    void *q = malloc((size_t)M * K * (wide ? 2 : 1));
     float *x_scale = malloc(sizeof(float) * M), *outlier_x = malloc(sizeof(float) * M * (n_out + 1));
     int status = 2;
     if (q && x_scale && outlier_x) {
-        quantize(x, x_bf16, M, K, inverse_smooth, &w, q, x_scale, outlier_x);
+        float levels = wide ? (float)w8a16_activation_levels(K) : 127.f;
+        quantize(x, x_bf16, wide, M, K, inverse_smooth, &w, levels, q, x_scale, outlier_x);
         Activations a = {q, x_scale, outlier_x};
 #pragma omp parallel for schedule(static)
-        for (int block = 0; block < N / TILE_N; block++)
-            for (int m0 = 0; m0 < M; m0 += TILE_M) tile(m0, block, M, K, N, &w, &a, out, out_bf16);
+        for (int block = 0; block < N / tile_n; block++)
+            for (int m0 = 0; m0 < M; m0 += tile_m)
+                if (wide)
+                    tile16(m0, block, M, K, N, &w, &a, out, out_bf16);
+                else
+                    tile(m0, block, M, K, N, &w, &a, out, out_bf16);
         status = 0;
     }
     free(q);
     free(x_scale);
     free(outlier_x);
     return status;
+}
+
+int w8a8_linear(const void *x, int x_bf16, int M, int K, const float *inverse_smooth, const int8_t *packed,
+                const int32_t *colsum, const float *scale, const int32_t *outliers, int n_out,
+                const float *outlier_w, void *out, int out_bf16, int N) {
+    return linear(0, x, x_bf16, M, K, inverse_smooth, packed, colsum, scale, outliers, n_out, outlier_w, out,
+                  out_bf16, N);
+}
+
+/* As w8a8_linear, with `packed` in W8A16's layout and no colsum. */
+int w8a16_linear(const void *x, int x_bf16, int M, int K, const float *inverse_smooth, const int8_t *packed,
+                 const float *scale, const int32_t *outliers, int n_out, const float *outlier_w, void *out,
+                 int out_bf16, int N) {
+    return linear(1, x, x_bf16, M, K, inverse_smooth, packed, NULL, scale, outliers, n_out, outlier_w, out,
+                  out_bf16, N);
 }
