@@ -52,7 +52,7 @@ def reference(
         (torch.float32, torch.bfloat16),
     ],
 )
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 32), (16, 2, 16, 16), (6, 2, 8, 16)],
@@ -67,12 +67,13 @@ def test_the_kernel_follows_fp32_sdpa_over_scattered_blocks(
     kv_dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Both builds: this CPU's (AVX-512 paths where it has them) and the plain loops
-    (-mno-avx512f), which other CPUs run; bf16 and fp32 caches, and fp32 queries over a bf16
-    cache (`--kv-cache-dtype bfloat16` on an fp32 model)."""
-    if build == "portable":
-        if platform.machine() != "x86_64" or (library := build_kernel(("-mno-avx512f",))) is None:
-            pytest.skip("the portable build is checked on x86-64")
+    """Each build: this CPU's (AVX-512 paths where it has them), AVX2's (-mno-avx512f) and
+    the plain loops (-mno-avx2), which other CPUs run; bf16 and fp32 caches, and fp32 queries
+    over a bf16 cache (`--kv-cache-dtype bfloat16` on an fp32 model)."""
+    if build != "native":
+        flags = ("-mno-avx512f",) if build == "avx2" else ("-mno-avx2",)
+        if platform.machine() != "x86_64" or (library := build_kernel(flags)) is None:
+            pytest.skip("the other builds are checked on x86-64")
         monkeypatch.setattr(paged_decode_module, "kernel_library", lambda: library)
     gen = torch.Generator().manual_seed(heads * head_dim)
     lengths = torch.tensor([1, 5, block_size, block_size + 1, 300, 77])
