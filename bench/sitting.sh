@@ -24,8 +24,8 @@ port_free() {  # a server left running on the port would be measured in place of
     if curl -sf "$1/v1/models" >/dev/null; then echo "something already answers at $1" >&2; exit 1; fi
 }
 
-wait_ready() {  # an OpenAI server answers /v1/models
-    for _ in $(seq 300); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done
+wait_ready() {  # an OpenAI server answers /v1/models (compiling for 32 sequences on 2 AVX2 cores: minutes)
+    for _ in $(seq 900); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done
     echo "no answer from $1" >&2; return 1
 }
 
