@@ -302,9 +302,10 @@ static void tile(int m0, int block, int M, int K, int N, const Weights *w, const
 }
 #endif
 
-/* W8A16: tokens m0..m0+T-1 (T <= 3: as an array, gcc keeps T = 4's sums in memory) x
- * channels 16 * block...: per k-step (2 channels' worth of k) 16 weights sign-extended to
- * int16 once for all the tile's tokens, then per token and register a vpmaddwd and a vpaddd. */
+/* W8A16: tokens m0..m0+T-1 x channels 16 * block...: per k-step (2 inputs) the block's 32
+ * weights sign-extended to int16 once for all the tile's tokens, then per token and register
+ * a vpmaddwd and a vpaddd. Up to 3 tokens a tile, where gcc keeps the sums (an array) in
+ * registers (at 4 it spilled them in the W8A8 tile above). */
 #define W16_TILE_N 16
 #define W16_TILE_M 3
 
