@@ -8,11 +8,17 @@ fp32 for it, and one query per sequence ran fastest as two batched matmuls
 upcasting (16 prefills of 128 tokens: 2.8 vs 8.6 ms) and beats the matmuls on decodes (16
 sequences of 256 tokens: 196 vs 298 us; equal at 64). Where gcc builds it, the paged C
 kernel (paged_decode.py) is timed on the same decodes, and serves them if fastest.
+
+The candidates are timed in rounds, each round calling every one of them once, and each keeps
+its best time: `redserve up` starts the api beside the scheduler, and timed back to back a
+burst of other work can fall on one candidate's samples only (on 2 AVX2 cores torch's
+matmuls beat the paged kernel in one of seven starts, which every other start picked; that
+server's was the slowest run of the session: 16 streams at 114 tok/s, 172-212 in the others
+with the same flags).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,40 +41,52 @@ class AttentionChoice:
 
 @torch.inference_mode()
 def choose_attention(
-    attention: Attention, dtype: torch.dtype, kv_dtype: torch.dtype, repeats: int = 5
+    attention: Attention, dtype: torch.dtype, kv_dtype: torch.dtype, rounds: int = 7
 ) -> AttentionChoice:
     """Times SDPA with and without the upcast on a prefill-shaped call, then the decode
-    matmuls, SDPA (as just chosen) and the paged kernel on a decode-shaped one; median of
-    `repeats`. Queries in `dtype`, the cache in `kv_dtype`."""
+    matmuls, SDPA (as just chosen) and the paged kernel on a decode-shaped one; best of
+    `rounds`. Queries in `dtype`, the cache in `kv_dtype`."""
     prefill, prefill_inputs = _prefill_group(attention, dtype, kv_dtype)
-    attention.upcast_sdpa = True
-    upcast = _median_time(lambda: attention._attend_group(*prefill_inputs, prefill), repeats)
-    attention.upcast_sdpa = False
-    native = _median_time(lambda: attention._attend_group(*prefill_inputs, prefill), repeats)
-    upcast_sdpa = attention.upcast_sdpa = upcast < native
+
+    def sdpa_prefill(upcast: bool) -> Callable[[], object]:
+        def call() -> object:
+            attention.upcast_sdpa = upcast
+            return attention._attend_group(*prefill_inputs, prefill)
+
+        return call
+
+    prefills = _best_times({"upcast": sdpa_prefill(True), "native": sdpa_prefill(False)}, rounds)
+    upcast_sdpa = attention.upcast_sdpa = prefills["upcast"] < prefills["native"]
     decode, decode_inputs, score_bias = _decode_group(attention, dtype, kv_dtype)
-    sdpa = _median_time(lambda: attention._attend_group(*decode_inputs, decode), repeats)
     by_matmuls = replace(decode, score_bias=score_bias)  # takes Attention._attend_decodes
-    matmuls = _median_time(lambda: attention._attend_group(*decode_inputs, by_matmuls), repeats)
-    paged = float("inf")
+    decodes: dict[str, Callable[[], object]] = {
+        "sdpa": lambda: attention._attend_group(*decode_inputs, decode),
+        "matmuls": lambda: attention._attend_group(*decode_inputs, by_matmuls),
+    }
     if kernel_fits(decode_inputs[0], kv_dtype, attention.num_kv_heads):
         paged_inputs = _paged_inputs(decode_inputs)
-        paged = _median_time(lambda: paged_decode(*paged_inputs), repeats)
+        decodes["paged"] = lambda: paged_decode(*paged_inputs)
+    best = _best_times(decodes, rounds)
+    torch_paths = min(best["matmuls"], best["sdpa"])
     return AttentionChoice(
         upcast_sdpa=upcast_sdpa,
-        matmul_decodes=matmuls < sdpa,
-        paged_decodes=paged < min(matmuls, sdpa),
+        matmul_decodes=best["matmuls"] < best["sdpa"],
+        paged_decodes=best.get("paged", float("inf")) < torch_paths,
     )
 
 
-def _median_time(call: Callable[[], object], repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+def _best_times(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Each call's shortest time over `rounds` rounds of calling them all in turn (after one
+    untimed call each)."""
+    for call in calls.values():
         call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
 
 
 def _paged_inputs(
