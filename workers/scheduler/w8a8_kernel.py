@@ -63,6 +63,9 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     return lib
 
 
+W8A16_TILE = 16  # output channels per packed block of w8a16_linear
+
+
 def kernel_fits(weight: torch.Tensor, wide: bool = False) -> bool:
     """Whether the vectorized kernel builds here (W8A8: AVX512-VNNI or AVX2; `wide`, W8A16:
     AVX2) and takes this [out, in] weight."""
@@ -79,9 +82,6 @@ def kernel_fits(weight: torch.Tensor, wide: bool = False) -> bool:
         and in_features % 4 == 0
         and bool(lib.w8a8_vectorized())
     )
-
-
-W8A16_TILE = 16  # output channels per packed block of w8a16_linear
 
 
 class FusedW8A8(nn.Module):

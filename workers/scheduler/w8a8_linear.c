@@ -118,6 +118,28 @@ static inline void store1(void *out, size_t i, float v, int bf16) {
         ((float *)out)[i] = v;
 }
 
+#ifndef __AVX2__
+/* Either layout's tile in plain loops: tokens m0..m0+tile_m-1 x one block of w->tile
+ * channels, k-steps of 4 bytes (W8A8, q + 128) or of 2 (`wide`: W8A16, int16 q). */
+static void plain_tile(int wide, int tile_m, int m0, int block, int M, int K, int N, const Weights *w,
+                       const Activations *a, void *out, int bf16) {
+    int step = wide ? 2 : 4, tile = w->tile;
+    const int8_t *p = w->packed + (size_t)block * K * tile;
+    for (int m = m0; m < m0 + tile_m && m < M; m++) {
+        size_t row = (size_t)m * K;
+        for (int c = 0; c < tile; c++) {
+            int32_t sum = 0;
+            for (int k = 0; k < K; k++) {
+                int32_t x = wide ? ((const int16_t *)a->q)[row + k] : ((const uint8_t *)a->q)[row + k];
+                sum += x * p[(size_t)(k / step) * step * tile + c * step + k % step];
+            }
+            int n = block * tile + c;
+            store1(out, (size_t)m * N + n, finish1(sum, m, n, w, a), bf16);
+        }
+    }
+}
+#endif
+
 #ifdef __AVX2__
 static inline void store8(void *out, size_t i, __m256 v, int bf16) {
     if (!bf16) {
@@ -289,16 +311,7 @@ static void tile(int m0, int block, int M, int K, int N, const Weights *w, const
 
 static void tile(int m0, int block, int M, int K, int N, const Weights *w, const Activations *a,
                  void *out, int bf16) {
-    const int8_t *p = w->packed + (size_t)block * (K / 4) * 4 * TILE_N;
-    for (int m = m0; m < m0 + TILE_M && m < M; m++) {
-        const uint8_t *row = (const uint8_t *)a->q + (size_t)m * K;
-        for (int c = 0; c < TILE_N; c++) {
-            int32_t sum = 0;
-            for (int k = 0; k < K; k++) sum += (int32_t)row[k] * p[(size_t)(k / 4) * 4 * TILE_N + c * 4 + k % 4];
-            int n = block * TILE_N + c;
-            store1(out, (size_t)m * N + n, finish1(sum, m, n, w, a), bf16);
-        }
-    }
+    plain_tile(0, TILE_M, m0, block, M, K, N, w, a, out, bf16);
 }
 #endif
 
@@ -346,16 +359,7 @@ static void tile16(int m0, int block, int M, int K, int N, const Weights *w, con
 #else
 static void tile16(int m0, int block, int M, int K, int N, const Weights *w, const Activations *a, void *out,
                    int bf16) {
-    const int8_t *p = w->packed + (size_t)block * K * W16_TILE_N;
-    for (int m = m0; m < m0 + W16_TILE_M && m < M; m++) {
-        const int16_t *row = (const int16_t *)a->q + (size_t)m * K;
-        for (int c = 0; c < W16_TILE_N; c++) {
-            int32_t sum = 0;
-            for (int k = 0; k < K; k++) sum += (int32_t)row[k] * p[(size_t)(k / 2) * 2 * W16_TILE_N + c * 2 + k % 2];
-            int n = block * W16_TILE_N + c;
-            store1(out, (size_t)m * N + n, finish1(sum, m, n, w, a), bf16);
-        }
-    }
+    plain_tile(1, W16_TILE_M, m0, block, M, K, N, w, a, out, bf16);
 }
 #endif
 
