@@ -13,7 +13,8 @@ activations (their fp32-activation paths are ~10x slower); fbgemm's dynamic int8
 real model); and `--quantization w8a8_int8`'s whole projections as the model runs them
 (bf16 activations, smoothing and 16 outlier channels from a calibration input): fbgemm's
 GEMM inside torch ops (`DynamicInt8`), and the C kernel (workers/scheduler/w8a8_kernel.py,
-where the CPU has AVX512-VNNI or AVX2); and the C kernel's W8A16 projection (16-bit
+where the CPU has AVX512-VNNI or AVX2; where it has AMX-INT8 too, also built without its
+AMX tiles); and the C kernel's W8A16 projection (16-bit
 activations, 8-bit weights: `w8a8_int8`'s down_proj, where the CPU has AVX2).
 """
 
@@ -42,7 +43,7 @@ from workers.scheduler.quantization import (  # noqa: E402
     int8_channels,
     w8a8_projection,
 )
-from workers.scheduler.w8a8_kernel import kernel_fits  # noqa: E402
+from workers.scheduler.w8a8_kernel import NO_AMX, build_kernel, kernel_fits  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 NUM_LAYERS = 30
@@ -104,9 +105,19 @@ KERNELS: dict[str, Callable[[torch.Tensor], Kernel]] = {
     "int4 weight-only g32 (_weight_int4pack_mm_for_cpu)": _int4,
     "fbgemm dynamic int8 (per-tensor activations)": _fbgemm_dynamic,
     "W8A8 projection: fbgemm in torch ops (DynamicInt8)": _w8a8(DynamicInt8),
-    "W8A8 projection: C kernel (AVX512-VNNI or AVX2)": _w8a8(w8a8_projection),
+    "W8A8 projection: C kernel (AVX512-VNNI or AVX2; AMX tiles where the CPU has them)": _w8a8(
+        w8a8_projection
+    ),
+    "W8A8 projection: C kernel without AMX tiles": _w8a8(
+        lambda weight, calibration: w8a8_projection(weight, calibration, build_kernel(NO_AMX))
+    ),
     "W8A16 projection: C kernel (AVX2)": _w8a8(functools.partial(w8a8_projection, wide=True)),
 }
+
+
+def _has_amx() -> bool:
+    lib = build_kernel()
+    return lib is not None and bool(lib.w8a8_amx())
 
 
 def time_pass(kernels: list[Kernel], inputs: list[torch.Tensor], repeats: int = 5) -> float:
@@ -144,6 +155,8 @@ def main() -> None:
         if make is _prepacked_bf16 and not can_prepack(weights[0].to(torch.bfloat16)):
             continue
         if "C kernel" in name and not kernel_fits(weights[0], wide="W8A16" in name):
+            continue
+        if "without AMX" in name and not _has_amx():
             continue
         kernels = [make(w) for w in weights]
         row = []

@@ -5,6 +5,7 @@
     python bench/steps.py --batch 16 --modes int4 --dtype float32 --paged-ab  # the kernel on/off
     python bench/steps.py --batch 64 --modes w8a8_int8 --kv-cache-dtypes auto bfloat16
     python bench/steps.py --batch 16 --modes int4 w8a8_int8 --w8a8-ab  # its C kernel on/off
+    python bench/steps.py --batch 64 --modes w8a8_int8 --amx-ab  # the kernel's AMX tiles on/off
 
 On a noisy VM two runs of the same engine can differ by 30%; alternating the modes' steps
 lets them share the same noise. Each mode gets its own runner and `--batch` prompts of
@@ -32,6 +33,7 @@ from workers.scheduler import quantization  # noqa: E402
 from workers.scheduler.attention_tuning import AttentionChoice  # noqa: E402
 from workers.scheduler.model_runner import TorchModelRunner  # noqa: E402
 from workers.scheduler.scheduler import Scheduler  # noqa: E402
+from workers.scheduler.w8a8_kernel import NO_AMX, build_kernel  # noqa: E402
 
 
 def engine(
@@ -60,6 +62,11 @@ def without_w8a8_kernel() -> contextlib.AbstractContextManager[object]:
     """While loading: w8a8_int8's projections on fbgemm's path (`DynamicInt8`), as on a CPU
     the C kernel does not take."""
     return mock.patch.object(quantization, "kernel_fits", lambda weight, wide=False: False)
+
+
+def without_amx_tiles() -> contextlib.AbstractContextManager[object]:
+    """While loading: w8a8_int8's projections on the C kernel built without its AMX tiles."""
+    return mock.patch.object(quantization, "build_kernel", lambda: build_kernel(NO_AMX))
 
 
 def step(runner: TorchModelRunner, core: Scheduler) -> float:
@@ -97,6 +104,11 @@ def main() -> None:
         action="store_true",
         help="w8a8_int8 also with its projections on fbgemm's path instead of the C kernel",
     )
+    parser.add_argument(
+        "--amx-ab",
+        action="store_true",
+        help="w8a8_int8 also with its C kernel built without AMX tiles (CPUs with AMX-INT8)",
+    )
     args = parser.parse_args()
     if args.compile and args.paged_ab:
         parser.error("--paged-ab changes kernels after load, where compiled graphs are fixed")
@@ -124,6 +136,10 @@ def main() -> None:
         with without_w8a8_kernel():
             engines.append(engine(model_path, "w8a8_int8", prompts, total, args.dtype))
         names.append("w8a8_int8, fbgemm's path")
+    if args.amx_ab and "w8a8_int8" in args.modes:
+        with without_amx_tiles():
+            engines.append(engine(model_path, "w8a8_int8", prompts, total, args.dtype))
+        names.append("w8a8_int8, no AMX tiles")
     for runner, core in engines:
         for _ in range(1 + args.warmup):
             step(runner, core)

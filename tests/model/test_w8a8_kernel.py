@@ -5,6 +5,7 @@ CPU has them)."""
 
 from __future__ import annotations
 
+import ctypes
 import platform
 
 import pytest
@@ -13,27 +14,31 @@ from torch import nn
 
 from workers.scheduler import quantization
 from workers.scheduler.quantization import DynamicInt8, w8a8_projection
-from workers.scheduler.w8a8_kernel import FusedW8A8, build_kernel, kernel_fits
+from workers.scheduler.w8a8_kernel import NO_AMX, FusedW8A8, build_kernel, kernel_fits
 
-# Each path of the C source as this CPU can build it: the portable loops, AVX2's, and
-# AVX512-VNNI's (`w8a8_vectorized()`: 0, 2, 1).
-PATHS = {0: "portable", 2: "avx2", 1: "vnni"}
+# Each path of the C source as this CPU can build it: the portable loops, AVX2's,
+# AVX512-VNNI's and AMX's (`w8a8_vectorized()`, `w8a8_amx()`).
+PATHS = {(0, 0): "portable", (2, 0): "avx2", (1, 0): "vnni", (1, 1): "amx"}
+
+
+def _path(lib: ctypes.CDLL) -> tuple[int, int]:
+    return lib.w8a8_vectorized(), lib.w8a8_amx()
 
 
 def _builds() -> list[tuple[str, ...]]:
     if platform.machine() != "x86_64":
         return []
-    found: dict[int, tuple[str, ...]] = {}
-    for flags in (("-mno-avx2",), ("-mno-avx512f",), ()):
+    found: dict[tuple[int, int], tuple[str, ...]] = {}
+    for flags in (("-mno-avx2",), ("-mno-avx512f",), NO_AMX, ()):
         lib = build_kernel(flags)
         if lib is not None:
-            found.setdefault(lib.w8a8_vectorized(), flags)
+            found.setdefault(_path(lib), flags)
     return list(found.values())
 
 
 def _path_name(flags: tuple[str, ...]) -> str:
     lib = build_kernel(flags)
-    return PATHS[lib.w8a8_vectorized()] if lib is not None else "unbuilt"
+    return PATHS[_path(lib)] if lib is not None else "unbuilt"
 
 
 BUILDS = pytest.mark.parametrize("flags", _builds(), ids=_path_name)
@@ -84,13 +89,15 @@ WIDTHS = pytest.mark.parametrize("wide", [False, True], ids=["w8a8", "w8a16"])
 @BUILDS
 @WIDTHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 7, 17])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 7, 17, 35])
+# 132 inputs: 33 steps of 4 (not whole AMX rows of 64: its build takes the vpdpbusd tile)
+@pytest.mark.parametrize("in_features", [132, 192])
 def test_the_kernel_computes_its_own_math(
-    flags: tuple[str, ...], wide: bool, dtype: torch.dtype, tokens: int
+    flags: tuple[str, ...], wide: bool, dtype: torch.dtype, tokens: int, in_features: int
 ) -> None:
     torch.manual_seed(tokens)
-    dense = nn.Linear(132, 192, bias=False)  # 3 tiles of 64 outputs, 33 steps of 4 inputs
-    x = torch.randn(tokens, 132)
+    dense = nn.Linear(in_features, 192, bias=False)  # 3 tiles of 64 outputs
+    x = torch.randn(tokens, in_features)
     x[:, [5, 60]] *= 40  # outlier channels
     kernel = fused(dense, x.abs().amax(0), flags, wide)
     x = x.to(dtype)
@@ -100,6 +107,25 @@ def test_the_kernel_computes_its_own_math(
     # fp32: a rounding tie may land apart (one activation level); bf16: the output's rounding
     tolerance = 2e-3 if dtype == torch.float32 else 1e-2
     assert (got.double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [2, 15, 16, 17, 64])
+def test_amx_tiles_give_the_vnni_tiles_bits(dtype: torch.dtype, tokens: int) -> None:
+    """Both sum the same integer products exactly and share the dequantizing pass, so an
+    AMX build's output equals the vpdpbusd build's bit for bit, in whole 16-token tiles and
+    in a shorter last one."""
+    amx, vnni = build_kernel(), build_kernel(NO_AMX)
+    if amx is None or vnni is None or _path(amx) != (1, 1) or _path(vnni) != (1, 0):
+        pytest.skip("this CPU has no AMX-INT8 (or the kernel lacks it)")
+    torch.manual_seed(tokens)
+    dense = nn.Linear(576, 960, bias=False)  # the model's qkv projection
+    x = torch.randn(tokens, 576)
+    x[:, [7, 300]] *= 50
+    input_max = x.abs().amax(0)
+    x = x.to(dtype)
+    got = w8a8_projection(dense.weight, input_max, amx)(x)
+    assert torch.equal(got, w8a8_projection(dense.weight, input_max, vnni)(x))
 
 
 @BUILDS

@@ -55,6 +55,7 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.w8a16_linear.argtypes = [pointer, i32, i32, i32, *[pointer] * 4, i32, pointer, pointer]
     lib.w8a16_linear.argtypes += [i32, i32]
     lib.w8a8_vectorized.restype = i32
+    lib.w8a8_amx.restype = i32
     lib.w8a16_vectorized.restype = i32
     lib.w8a16_activation_levels.restype = i32
     lib.w8a16_activation_levels.argtypes = [i32]
@@ -64,6 +65,8 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 
 W8A16_TILE = 16  # output channels per packed block of w8a16_linear
+# Build flags for the kernel without its AMX tiles (benchmarks and tests compare the two).
+NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
 
 
 def kernel_fits(weight: torch.Tensor, wide: bool = False) -> bool:

@@ -10,7 +10,9 @@
  * Activations go in as q + 128 (unsigned); `colsum` holds 128 * sum_k w[n][k] to take back
  * out. A tile is 4 tokens x one block, the k-step's weights loaded once into registers for
  * all four tokens; one OpenMP task per block. Three paths, by what the CPU has:
- * - AVX512-VNNI: vpdpbusd, blocks of 64 channels (four zmm), 8-bit weights;
+ * - AVX512-VNNI: vpdpbusd, blocks of 64 channels (four zmm), 8-bit weights; where the CPU
+ *   has AMX-INT8 too (Sapphire Rapids on), tiles of 16 tokens x a block through tdpbusd
+ *   (see the AMX notes below);
  * - AVX2: vpmaddubsw + vpmaddwd, blocks of 16 channels, 7-bit weights (see its notes);
  * - neither: plain loops over the same layout (for the tests; w8a8_kernel.py offers the
  *   kernel only where `w8a8_vectorized()` is not 0).
@@ -30,6 +32,11 @@
 #include "bf16.h"
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define W8A8_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 /* Output channels per packed block, and the weights' levels ([-WEIGHT_LEVELS, +...]). */
@@ -229,6 +236,79 @@ static void tile(int m0, int block, int M, int K, int N, const Weights *w, const
     for (int i = 0; i < TILE_M && m0 + i < M; i++)
         for (int j = 0; j < 4; j++) finish16(sums[i][j], m0 + i, block * TILE_N + 16 * j, w, a, out, N, bf16);
 }
+
+#ifdef W8A8_AMX
+/* AMX: tdpbusd multiplies a tile of 16 tokens x 64 activation bytes (unsigned) by one of
+ * 16 k-steps x 16 channels x 4 weight bytes (signed) into 16 x 16 int32 sums: 16,384
+ * products an instruction, where vpdpbusd does 64. The VNNI layout above is already the
+ * weight tile's: channels 16j.. of a block over 16 k-steps lie 4 * TILE_N bytes apart, the
+ * stride tileloadd takes. Tile registers: 0-3 the sums of the block's four 16-channel
+ * quarters, 4 the activations, 5 and 6 weights (loaded alternately, so a load overlaps the
+ * previous product). Linux hands tile state out per process on request (`amx_granted`);
+ * each thread loads its own tile configuration. K must be whole 64-byte tile rows. */
+#define AMX_M 16
+#define AMX_K 64
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_permission = -1; /* -1: not asked yet; 0: refused; 1: granted */
+
+/* 1 once the kernel lets this process use the tile registers (asked the first time). */
+static int amx_granted(void) {
+    if (amx_permission < 0) {
+        const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+        amx_permission = syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
+    }
+    return amx_permission;
+}
+
+static void amx_configure(int rows) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 4; t++) config.rows[t] = (uint8_t)rows, config.colsb[t] = 64; /* sums */
+    config.rows[4] = (uint8_t)rows, config.colsb[4] = AMX_K;                          /* activations */
+    config.rows[5] = config.rows[6] = AMX_K / 4, config.colsb[5] = config.colsb[6] = 4 * 16; /* weights */
+    _tile_loadconfig(&config);
+}
+
+/* Tokens m0..m0+rows-1 (rows <= 16) x channels 64 * block... */
+static void amx_tile(int m0, int rows, int block, int K, int N, const Weights *w, const Activations *a,
+                     void *out, int bf16) {
+    int32_t sums[AMX_M * TILE_N] __attribute__((aligned(64)));
+    const uint8_t *x = (const uint8_t *)a->q + (size_t)m0 * K;
+    const int8_t *p = w->packed + (size_t)block * (K / 4) * 4 * TILE_N;
+    const size_t weight_stride = 4 * TILE_N, step = (size_t)(AMX_K / 4) * 4 * TILE_N;
+    amx_configure(rows);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < K; k += AMX_K, p += step) {
+        _tile_loadd(4, x + k, K);
+        _tile_loadd(5, p, weight_stride);
+        _tile_dpbusd(0, 4, 5);
+        _tile_loadd(6, p + 64, weight_stride);
+        _tile_dpbusd(1, 4, 6);
+        _tile_loadd(5, p + 128, weight_stride);
+        _tile_dpbusd(2, 4, 5);
+        _tile_loadd(6, p + 192, weight_stride);
+        _tile_dpbusd(3, 4, 6);
+    }
+    _tile_stored(0, sums, 4 * TILE_N);
+    _tile_stored(1, sums + 16, 4 * TILE_N);
+    _tile_stored(2, sums + 32, 4 * TILE_N);
+    _tile_stored(3, sums + 48, 4 * TILE_N);
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < 4; j++)
+            finish16(_mm512_load_si512(sums + i * TILE_N + 16 * j), m0 + i, block * TILE_N + 16 * j, w, a, out, N,
+                     bf16);
+}
+#endif
 #elif defined(__AVX2__)
 /* AVX2 has no vpdpbusd; its vpmaddubsw (unsigned x signed bytes, pairs summed into int16,
  * then vpmaddwd by ones sums the two pairs into int32) saturates at 32767, which
@@ -363,11 +443,41 @@ static void tile16(int m0, int block, int M, int K, int N, const Weights *w, con
 }
 #endif
 
+int w8a8_amx(void);
+
+#ifdef W8A8_AMX
+/* A block's channels for all M tokens, 16 at a time (the rest in one shorter tile). */
+static void amx_block(int block, int M, int K, int N, const Weights *w, const Activations *a, void *out,
+                      int bf16) {
+    for (int m0 = 0; m0 < M; m0 += AMX_M) amx_tile(m0, M - m0 < AMX_M ? M - m0 : AMX_M, block, K, N, w, a, out, bf16);
+}
+#else
+#define AMX_K 1
+static void amx_block(int block, int M, int K, int N, const Weights *w, const Activations *a, void *out,
+                      int bf16) {
+    (void)block, (void)M, (void)K, (void)N, (void)w, (void)a, (void)out, (void)bf16;
+}
+#endif
+/* Fewest tokens a step takes through AMX tiles (below: vpdpbusd). */
+#ifndef AMX_MIN_TOKENS
+#define AMX_MIN_TOKENS 8
+#endif
+
 /* The weights' int8 levels this build takes: [-w8a8_weight_levels(), +...]. */
 int w8a8_weight_levels(void) { return WEIGHT_LEVELS; }
 
 /* Output channels per packed block: N must be a multiple. */
 int w8a8_tile_n(void) { return TILE_N; }
+
+/* 1 where this build multiplies through AMX tiles and the kernel lets it (the first call
+ * asks), else 0. */
+int w8a8_amx(void) {
+#ifdef W8A8_AMX
+    return amx_granted();
+#else
+    return 0;
+#endif
+}
 
 /* 1: AVX512-VNNI, 2: AVX2, 0: the portable loops. */
 int w8a8_vectorized(void) {
@@ -410,13 +520,17 @@ static int linear(int wide, const void *x, int x_bf16, int M, int K, const float
         float levels = wide ? (float)w8a16_activation_levels(K) : 127.f;
         quantize(x, x_bf16, wide, M, K, inverse_smooth, &w, levels, q, x_scale, outlier_x);
         Activations a = {q, x_scale, outlier_x};
+        int amx = !wide && M >= AMX_MIN_TOKENS && K % AMX_K == 0 && w8a8_amx();
 #pragma omp parallel for schedule(static)
         for (int block = 0; block < N / tile_n; block++)
-            for (int m0 = 0; m0 < M; m0 += tile_m)
-                if (wide)
-                    tile16(m0, block, M, K, N, &w, &a, out, out_bf16);
-                else
-                    tile(m0, block, M, K, N, &w, &a, out, out_bf16);
+            if (amx)
+                amx_block(block, M, K, N, &w, &a, out, out_bf16);
+            else
+                for (int m0 = 0; m0 < M; m0 += tile_m)
+                    if (wide)
+                        tile16(m0, block, M, K, N, &w, &a, out, out_bf16);
+                    else
+                        tile(m0, block, M, K, N, &w, &a, out, out_bf16);
         status = 0;
     }
     free(q);
