@@ -48,6 +48,15 @@ def test_temperature_zero_is_argmax() -> None:
     assert sample(x, rows(SamplingParams(temperature=0), 4)) == x.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_equal_maxima() -> None:
+    """As argmax does (and Hugging Face's greedy search): the lowest token id of a tie."""
+    x = torch.zeros(3, 49152)
+    x[0, [7, 300, 40000]] = 1.0
+    x[1, [48000, 12]] = 2.0
+    greedy = rows(SamplingParams(temperature=0), 3)
+    assert sample(x, greedy) == [7, 12, 0]
+
+
 def test_top_k_one_and_tiny_top_p_equal_greedy() -> None:
     x = logits()
     greedy = x.argmax(-1).tolist()

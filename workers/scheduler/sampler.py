@@ -168,7 +168,9 @@ def effective_temperature(params: Sequence[SamplingParams], like: torch.Tensor) 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """One token id per row of the processed `logits` [B, vocab]."""
     params = [r.sampling for r in rows]
-    tokens = logits.argmax(dim=-1)
+    # max's indices: argmax's (the first of equal maxima, NaN wins alike), 2.6x faster on
+    # the CPU (64 x 49,152 fp32 logits, 2 threads: 1.0 vs 2.6 ms)
+    tokens = logits.max(dim=-1).indices
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
         sub_params = [params[i] for i in drawn]
