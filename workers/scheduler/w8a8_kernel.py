@@ -20,6 +20,13 @@ sequences, 88.3 vs 95.6 and 100.8 vs 106.2 at 16, 239 vs 232 at 64 (fbgemm's GEM
 up at 64 tokens and runs the LM head faster from 16 on). Every step through W8A8: top-1
 157/160 against fp32, mean |logprob error| 0.037 (fbgemm's 156/160, 0.042).
 
+Where the CPU has AMX-INT8 as well (Intel Sapphire Rapids and later), steps of 8 tokens or
+more go through AMX tiles (tdpbusd: 16 tokens x 16 channels x 64 bytes an instruction) on
+the same packed weights, with the same integer sums, so the same bits as the vpdpbusd
+tiles. On 2 such cores (`bench/kernels.py`, 120 projections): 28.0 vs 36.8 ms at 64 tokens,
+67.3 vs 99.8 at 256, on par up to 16 (where reading the weights bounds both); engine decode
+steps of `w8a8_int8` 2-4% shorter at 16 and 64 sequences (`bench/steps.py --amx-ab`).
+
 `wide` (W8A16, down_proj's route on AVX2 CPUs): int16 activations, 8-bit weights, vpmaddwd;
 as fast as W8A8 on Zen 3 (`bench/kernels.py`, 120 projections: 27.3 vs 26.8 ms at 16 tokens,
 75.7 vs 83.5 at 64; fp32 85.3 and 169.1, int4 58.4 and 205.7), which took a 16-sequence
