@@ -24,8 +24,9 @@ Where the CPU has AMX-INT8 as well (Intel Sapphire Rapids and later), steps of 8
 more go through AMX tiles (tdpbusd: 16 tokens x 16 channels x 64 bytes an instruction) on
 the same packed weights, with the same integer sums, so the same bits as the vpdpbusd
 tiles. On 2 such cores (`bench/kernels.py`, 120 projections): 28.0 vs 36.8 ms at 64 tokens,
-67.3 vs 99.8 at 256, on par up to 16 (where reading the weights bounds both); engine decode
-steps of `w8a8_int8` 2-4% shorter at 16 and 64 sequences (`bench/steps.py --amx-ab`).
+67.3 vs 99.8 at 256, on par up to 16 (where reading the weights bounds both). Engine decode
+steps (`bench/steps.py --amx-ab`): 49.1 vs 51.4 ms at 16 sequences; at 64 within the noise
+(103.3 vs 100.3, then 105.1 vs 107.5), where the cache reads and the torch ops weigh more.
 
 `wide` (W8A16, down_proj's route on AVX2 CPUs): int16 activations, 8-bit weights, vpmaddwd;
 as fast as W8A8 on Zen 3 (`bench/kernels.py`, 120 projections: 27.3 vs 26.8 ms at 16 tokens,
