@@ -20,7 +20,7 @@ sequences, 88.3 vs 95.6 and 100.8 vs 106.2 at 16, 239 vs 232 at 64 (fbgemm's GEM
 up at 64 tokens and runs the LM head faster from 16 on). Every step through W8A8: top-1
 157/160 against fp32, mean |logprob error| 0.037 (fbgemm's 156/160, 0.042).
 
-Where the CPU has AMX-INT8 as well (Intel Sapphire Rapids and later), steps of 8 tokens or
+Where the CPU has AMX-INT8 as well (Intel Sapphire Rapids and later), steps of 16 tokens or
 more go through AMX tiles (tdpbusd: 16 tokens x 16 channels x 64 bytes an instruction) on
 the same packed weights, with the same integer sums, so the same bits as the vpdpbusd
 tiles. On 2 such cores (`bench/kernels.py`, 120 projections): 28.0 vs 36.8 ms at 64 tokens,

@@ -443,25 +443,41 @@ static void tile16(int m0, int block, int M, int K, int N, const Weights *w, con
 }
 #endif
 
-int w8a8_amx(void);
-
-#ifdef W8A8_AMX
-/* A block's channels for all M tokens, 16 at a time (the rest in one shorter tile). */
-static void amx_block(int block, int M, int K, int N, const Weights *w, const Activations *a, void *out,
-                      int bf16) {
-    for (int m0 = 0; m0 < M; m0 += AMX_M) amx_tile(m0, M - m0 < AMX_M ? M - m0 : AMX_M, block, K, N, w, a, out, bf16);
-}
-#else
-#define AMX_K 1
-static void amx_block(int block, int M, int K, int N, const Weights *w, const Activations *a, void *out,
-                      int bf16) {
-    (void)block, (void)M, (void)K, (void)N, (void)w, (void)a, (void)out, (void)bf16;
-}
-#endif
-/* Fewest tokens a step takes through AMX tiles (below: vpdpbusd). */
+/* Fewest tokens a step takes through AMX tiles: below, vpdpbusd's tiles were as fast or
+ * faster (both bound by reading the weights; at 8 tokens a tie twice, a 20% loss once, in
+ * three interleaved runs; bench/README.md, the AMX VM). */
 #ifndef AMX_MIN_TOKENS
-#define AMX_MIN_TOKENS 8
+#define AMX_MIN_TOKENS 16
 #endif
+
+/* Whether this step's W8A8 tiles go through AMX (asks for the tile state the first time). */
+static int use_amx(int M, int K) {
+#ifdef W8A8_AMX
+    return M >= AMX_MIN_TOKENS && K % AMX_K == 0 && amx_granted();
+#else
+    (void)M, (void)K;
+    return 0;
+#endif
+}
+
+/* One block's output channels for all M tokens: W8A16's tiles (`wide`), AMX's 16 tokens at
+ * a time (`amx`), or vpdpbusd's / AVX2's / the plain loops' tiles of TILE_M. */
+static void block_tiles(int wide, int amx, int block, int M, int K, int N, const Weights *w,
+                        const Activations *a, void *out, int bf16) {
+#ifdef W8A8_AMX
+    if (amx) {
+        for (int m0 = 0; m0 < M; m0 += AMX_M) amx_tile(m0, M - m0 < AMX_M ? M - m0 : AMX_M, block, K, N, w, a, out, bf16);
+        return;
+    }
+#else
+    (void)amx;
+#endif
+    for (int m0 = 0; m0 < M; m0 += wide ? W16_TILE_M : TILE_M)
+        if (wide)
+            tile16(m0, block, M, K, N, w, a, out, bf16);
+        else
+            tile(m0, block, M, K, N, w, a, out, bf16);
+}
 
 /* The weights' int8 levels this build takes: [-w8a8_weight_levels(), +...]. */
 int w8a8_weight_levels(void) { return WEIGHT_LEVELS; }
@@ -510,7 +526,7 @@ int w8a16_vectorized(void) {
 static int linear(int wide, const void *x, int x_bf16, int M, int K, const float *inverse_smooth,
                   const int8_t *packed, const int32_t *colsum, const float *scale, const int32_t *outliers,
                   int n_out, const float *outlier_w, void *out, int out_bf16, int N) {
-    int tile_n = wide ? W16_TILE_N : TILE_N, tile_m = wide ? W16_TILE_M : TILE_M;
+    int tile_n = wide ? W16_TILE_N : TILE_N;
     if (M < 1 || K % (wide ? 2 : 4) || N % tile_n) return 1;
     Weights w = {packed, wide ? NULL : colsum, scale, outliers, outlier_w, n_out, tile_n};
     void *q = malloc((size_t)M * K * (wide ? 2 : 1));
@@ -520,17 +536,9 @@ static int linear(int wide, const void *x, int x_bf16, int M, int K, const float
         float levels = wide ? (float)w8a16_activation_levels(K) : 127.f;
         quantize(x, x_bf16, wide, M, K, inverse_smooth, &w, levels, q, x_scale, outlier_x);
         Activations a = {q, x_scale, outlier_x};
-        int amx = !wide && M >= AMX_MIN_TOKENS && K % AMX_K == 0 && w8a8_amx();
+        int amx = !wide && use_amx(M, K);
 #pragma omp parallel for schedule(static)
-        for (int block = 0; block < N / tile_n; block++)
-            if (amx)
-                amx_block(block, M, K, N, &w, &a, out, out_bf16);
-            else
-                for (int m0 = 0; m0 < M; m0 += tile_m)
-                    if (wide)
-                        tile16(m0, block, M, K, N, &w, &a, out, out_bf16);
-                    else
-                        tile(m0, block, M, K, N, &w, &a, out, out_bf16);
+        for (int block = 0; block < N / tile_n; block++) block_tiles(wide, amx, block, M, K, N, &w, &a, out, out_bf16);
         status = 0;
     }
     free(q);
