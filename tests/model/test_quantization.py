@@ -12,7 +12,7 @@ from torch import nn
 
 from tests.model.routing import route_every_size
 from tests.model.teacher_forcing import Reference, agreement
-from workers.scheduler import quantization
+from workers.scheduler import int8_bf16, quantization
 from workers.scheduler.model_runner import TorchModelRunner
 from workers.scheduler.quantization import (
     DynamicInt8,
@@ -219,6 +219,23 @@ def test_w8a16_down_proj_follows_the_fp32_greedy_trajectory(
     downs = [m for name, m in w8a8.model.named_modules() if name.endswith("down_proj")]
     assert all(d.kernels["w8a16"].wide for d in downs)
     assert sum(wide(m) for m in w8a8.model.modules()) == len(w8a8.model.layers)
+    result = agreement(reference, w8a8)
+    assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
+    assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)
+
+
+def test_int8_bf16_down_proj_follows_the_fp32_greedy_trajectory(
+    model_path: str, reference: Reference
+) -> None:
+    # As above, down_proj in int8 weights x bf16 activations through AMX-BF16 (int8_bf16.py)
+    # where the CPU has it. On 2 AMX cores (Intel, 2026-12-02), fp32: 158/160, mean |logprob
+    # error| 0.029, max 0.22.
+    if not int8_bf16.fits(torch.zeros(64, 64)):
+        pytest.skip("no AMX-BF16 here: int8 x bf16 is not offered")
+    w8a8 = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="w8a8_int8")
+    assert route_every_size(w8a8.model, "w8a8", "int8_bf16") == 4 * len(w8a8.model.layers) + 1
+    downs = [m for name, m in w8a8.model.named_modules() if name.endswith("down_proj")]
+    assert all(d.route == ["int8_bf16"] * len(TUNED_TOKENS) for d in downs)
     result = agreement(reference, w8a8)
     assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, str(result)
     assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, str(result)

@@ -14,7 +14,8 @@ reference: tests/model/test_quantization.py. CPU only: the CUDA int4 kernel want
 another packing.
 
 `w8a8_int8` gives qkv, o, gate_up and the head a third kernel, int8 x int8 (`w8a8_projection`;
-down_proj int8 x int16 where the CPU has AVX2, see DYNAMIC_INT8_PROJECTIONS):
+down_proj int8 x int16 where the CPU has AVX2 and int8 x bf16 where it has AMX-BF16, see
+DYNAMIC_INT8_PROJECTIONS):
 on x86 CPUs with AVX512-VNNI or AVX2 one C call per projection (w8a8_kernel.py), elsewhere
 fbgemm's GEMM inside torch ops (`DynamicInt8`, 2-3x faster than int4 and fp32 from 8 tokens
 on over AVX2; bench/kernels.py). Its activations are quantized at run time, which this model's
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from shared.config import QUANTIZATIONS
+from workers.scheduler import int8_bf16
 from workers.scheduler.llama import LlamaForCausalLM
 from workers.scheduler.tiered import TieredLinear
 from workers.scheduler.w8a8_kernel import FusedW8A8, build_kernel, kernel_fits
@@ -99,11 +101,7 @@ def quantize_model(
             dense = getattr(parent, name)
             if not fits(dense, bits=4):
                 continue
-            kernels: dict[str, nn.Module] = {"int4": Int4Weights(dense.weight)}
-            if input_max is not None and name in DYNAMIC_INT8_PROJECTIONS:
-                kernels["w8a8"] = w8a8_projection(dense.weight, input_max[dense])
-            elif input_max is not None and kernel_fits(dense.weight, wide=True):
-                kernels["w8a16"] = w8a8_projection(dense.weight, input_max[dense], wide=True)
+            kernels = _decoder_kernels(name, dense, None if input_max is None else input_max[dense])
             setattr(parent, name, TieredLinear(dense, kernels))
             wrapped += 1
     head = model.lm_head
@@ -115,6 +113,22 @@ def quantize_model(
         model.lm_head = TieredLinear(head, head_kernels)
         wrapped += 1
     return wrapped
+
+
+def _decoder_kernels(
+    name: str, dense: nn.Linear, input_max: torch.Tensor | None
+) -> dict[str, nn.Module]:
+    """The compact kernels of decoder projection `name`: int4, and with `input_max`
+    (w8a8_int8) W8A8, or for down_proj those that keep its activations in 16 bits."""
+    kernels: dict[str, nn.Module] = {"int4": Int4Weights(dense.weight)}
+    if input_max is not None and name in DYNAMIC_INT8_PROJECTIONS:
+        kernels["w8a8"] = w8a8_projection(dense.weight, input_max)
+    elif input_max is not None:
+        if kernel_fits(dense.weight, wide=True):
+            kernels["w8a16"] = w8a8_projection(dense.weight, input_max, wide=True)
+        if int8_bf16.fits(dense.weight):
+            kernels["int8_bf16"] = int8_bf16.Int8Bf16(dense.weight)
+    return kernels
 
 
 def fits(dense: nn.Linear, bits: int) -> bool:
@@ -177,7 +191,9 @@ def calibration_ids(model_path: str) -> list[int]:
 # together, with the int8 head: 5; with the AVX2 kernel 154/160 against 157/160 with it in
 # int4). It takes W8A16 instead where the CPU has AVX2 (16-bit activations, 8-bit weights:
 # 156/160 on Zen 3, as accurate as int4 and as fast as W8A8, where fp32 and int4 are 2-3x
-# slower from 16 tokens on; bench/kernels.py), else int4/dense. The head in W8A8 costs no more
+# slower from 16 tokens on; bench/kernels.py), and int8 weights x bf16 activations through
+# AMX-BF16 where the CPU has that (int8_bf16.py; as fast at 16 tokens as the bf16 matmul
+# is at 1, half its bytes), else int4/dense. The head in W8A8 costs no more
 # than int8 weights (158/160 either way on 2 Ice Lake cores) and runs 3.4x faster at 16
 # rows (4.0 vs 13.8 ms; fp32 29.5) with VNNI.
 DYNAMIC_INT8_PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj"})

@@ -35,8 +35,7 @@
 #endif
 #if defined(__AVX512VNNI__) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define W8A8_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 /* Output channels per packed block, and the weights' levels ([-WEIGHT_LEVELS, +...]). */
@@ -248,23 +247,6 @@ static void tile(int m0, int block, int M, int K, int N, const Weights *w, const
  * each thread loads its own tile configuration. K must be whole 64-byte tile rows. */
 #define AMX_M 16
 #define AMX_K 64
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static int amx_permission = -1; /* -1: not asked yet; 0: refused; 1: granted */
-
-/* 1 once the kernel lets this process use the tile registers (asked the first time). */
-static int amx_granted(void) {
-    if (amx_permission < 0) {
-        const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
-        amx_permission = syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
-    }
-    return amx_permission;
-}
 
 static void amx_configure(int rows) {
     TileConfig config;
