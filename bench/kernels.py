@@ -60,6 +60,7 @@ def _int4(weight: torch.Tensor) -> Kernel:
 
 def _int8(weight: torch.Tensor) -> Kernel:
     q, scales = int8_channels(weight)
+    scales = scales.to(torch.bfloat16)
     return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales)
 
 

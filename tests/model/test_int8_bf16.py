@@ -11,10 +11,16 @@ from torch import nn
 
 from workers.scheduler import int8_bf16, quantization
 from workers.scheduler.int8_bf16 import Int8Bf16
+from workers.scheduler.quantization import int8_channels
 from workers.scheduler.tiered import TieredLinear
 
 HERE = int8_bf16.fits(torch.zeros(16, 32))
 needs_amx = pytest.mark.skipif(not HERE, reason="this CPU has no AMX-BF16 (or no C compiler)")
+
+
+def of(weight: torch.Tensor) -> Int8Bf16:
+    """The kernel for a float [out, in] weight, as `w8a8_int8` makes it."""
+    return Int8Bf16(*int8_channels(weight.detach().float()))
 
 
 def unpacked(kernel: Int8Bf16) -> torch.Tensor:
@@ -32,7 +38,7 @@ def test_the_kernel_computes_its_own_math(dtype: torch.dtype, tokens: int) -> No
     of tiles, the last one short."""
     torch.manual_seed(tokens)
     weight = torch.randn(48, 96)  # 3 blocks of 16 channels, 3 chunks of 32 inputs
-    kernel = Int8Bf16(weight)
+    kernel = of(weight)
     x = torch.randn(tokens, 96).to(dtype)
     got = kernel(x)
     assert got.dtype == dtype and got.shape == (tokens, 48)
@@ -48,14 +54,14 @@ def test_the_kernel_follows_the_dense_weights_within_int8() -> None:
     x = torch.randn(16, 1536)
     x[:, [3, 700]] *= 80  # down_proj's input has outliers; bf16 activations keep them
     exact = dense(x).detach()
-    error = float((Int8Bf16(dense.weight)(x) - exact).abs().max() / exact.abs().max())
+    error = float((of(dense.weight)(x) - exact).abs().max() / exact.abs().max())
     assert error < 0.01
 
 
 @needs_amx
 def test_a_compiled_forward_runs_the_kernel_inside_one_graph() -> None:
     torch.manual_seed(0)
-    kernel = Int8Bf16(torch.randn(64, 128))
+    kernel = of(torch.randn(64, 128))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.relu(kernel(torch.sin(x))) * 2
@@ -68,7 +74,7 @@ def test_shapes_out_of_whole_blocks_are_not_taken() -> None:
     assert not int8_bf16.fits(torch.zeros(24, 64))  # 24 channels: not whole blocks of 16
     assert not int8_bf16.fits(torch.zeros(32, 48))  # 48 inputs: not whole chunks of 32
     with pytest.raises(ValueError):
-        Int8Bf16(torch.zeros(24, 64))
+        of(torch.zeros(24, 64))
 
 
 def test_w8a8_int8_offers_it_to_down_proj_where_it_runs() -> None:

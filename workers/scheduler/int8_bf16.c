@@ -108,8 +108,10 @@ int int8_bf16_linear(const void *x, int x_bf16, int M, int K, const int8_t *pack
     int padded = (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     uint16_t *rows = calloc((size_t)padded * K, sizeof(uint16_t));
     if (!rows) return 2;
-    for (size_t i = 0; i < (size_t)M * K; i++)
-        rows[i] = x_bf16 ? ((const uint16_t *)x)[i] : float_to_bf16(((const float *)x)[i]);
+    if (x_bf16)
+        memcpy(rows, x, (size_t)M * K * sizeof(uint16_t));
+    else
+        for (size_t i = 0; i < (size_t)M * K; i++) rows[i] = float_to_bf16(((const float *)x)[i]);
     int tiles_total = padded / TILE_ROWS;
 #pragma omp parallel
     {

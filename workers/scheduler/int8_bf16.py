@@ -51,23 +51,20 @@ def fits(weight: torch.Tensor) -> bool:
 
 
 class Int8Bf16(nn.Module):
-    """x @ w.T with w = q * scale (int8 per output channel); x in bf16 (fp32 rounded to
-    it). Output in x's dtype, no bias."""
+    """x @ w.T with w = q * scale (`q` [out, in] int8, `scale` [out]: quantization.py's
+    `int8_channels`); x in bf16 (fp32 rounded to it). Output in x's dtype, no bias."""
 
     packed: torch.Tensor  # [out / 16][in / 2][16][2] int8
     scale: torch.Tensor  # [out] fp32
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
-        if not fits(weight):
-            raise ValueError(f"int8 x bf16 AMX kernel: not here, or shape {tuple(weight.shape)}")
-        w = weight.detach().float()
-        out_features, in_features = w.shape
-        scale = (w.abs().amax(1) / 127).clamp(min=1e-10)
-        q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        if not fits(q):
+            raise ValueError(f"int8 x bf16 AMX kernel: not here, or shape {tuple(q.shape)}")
+        out_features, in_features = q.shape
         packed = q.view(out_features // BLOCK_N, BLOCK_N, in_features // 2, 2).transpose(1, 2)
         self.register_buffer("packed", packed.contiguous(), persistent=False)
-        self.register_buffer("scale", scale.contiguous(), persistent=False)
+        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

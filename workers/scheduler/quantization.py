@@ -67,7 +67,7 @@ class Int8Weights(nn.Module):
         super().__init__()
         packed, scales = int8_channels(weight.detach().float())
         self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("scales", scales.to(torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.packed, self.scales)
@@ -127,7 +127,7 @@ def _decoder_kernels(
         if kernel_fits(dense.weight, wide=True):
             kernels["w8a16"] = w8a8_projection(dense.weight, input_max, wide=True)
         if int8_bf16.fits(dense.weight):
-            kernels["int8_bf16"] = int8_bf16.Int8Bf16(dense.weight)
+            kernels["int8_bf16"] = int8_bf16.Int8Bf16(*int8_channels(dense.weight.detach().float()))
     return kernels
 
 
@@ -158,10 +158,10 @@ def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
 
 
 def int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel: w ≈ q * scale."""
+    """Symmetric int8 per output channel: w ≈ q * scale (fp32 scales)."""
     scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-10)
     q = torch.round(weight / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
-    return q, scale.to(torch.bfloat16)
+    return q, scale
 
 
 # w8a8_int8's calibration text: prose, code, numbers and another language, unrelated to the
