@@ -53,6 +53,32 @@ def test_the_faster_sdpa_dtype_wins_and_the_matmuls_beat_a_slow_sdpa(
     assert choice.matmul_decodes
 
 
+@pytest.mark.parametrize("slow_from", [128, 512, None])
+def test_prefill_matmuls_serve_contexts_up_to_the_longest_at_which_they_won(
+    monkeypatch: pytest.MonkeyPatch, slow_from: int | None
+) -> None:
+    """SDPA slowed by 20 ms, the matmuls by 60 ms from `slow_from` context tokens on
+    (None: never); steps of 512 prompt tokens (each call a few ms unslowed)."""
+    matmuls = Attention._attend_matmuls
+
+    def slowed(self: Attention, queries: torch.Tensor, keys: torch.Tensor, *args: Any) -> Any:
+        if slow_from is not None and keys.shape[2] >= slow_from:
+            time.sleep(0.06)
+        return matmuls(self, queries, keys, *args)
+
+    def slowed_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        time.sleep(0.02)
+        return sdpa_of_torch(*args, **kwargs)
+
+    monkeypatch.setattr(attention_tuning, "PREFILL_TOKENS", 512)
+
+    monkeypatch.setattr(Attention, "_attend_matmuls", slowed)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", slowed_sdpa)
+    choice = choose_attention(Attention(ARGS), torch.bfloat16, torch.bfloat16, rounds=3)
+    expected = {128: 0, 512: 256, None: 512}[slow_from]
+    assert choice.matmul_prefill_max_context == expected
+
+
 @pytest.mark.skipif(kernel_library() is None, reason="no C compiler: no paged decode kernel")
 @pytest.mark.parametrize("slow", ["kernel", "torch paths"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -72,7 +98,7 @@ def test_the_paged_kernel_serves_decodes_only_when_it_ran_fastest(
         monkeypatch.setattr(attention_tuning, "paged_decode", slowed(paged_decode))
     else:
         monkeypatch.setattr(F, "scaled_dot_product_attention", slowed(sdpa_of_torch))
-        monkeypatch.setattr(Attention, "_attend_decodes", slowed(Attention._attend_decodes))
+        monkeypatch.setattr(Attention, "_attend_matmuls", slowed(Attention._attend_matmuls))
     choice = choose_attention(Attention(ARGS), dtype, torch.bfloat16)
     assert choice.paged_decodes is (slow == "torch paths")
 
@@ -97,5 +123,5 @@ def test_a_burst_of_other_work_does_not_decide_the_choice(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(attention_tuning, "paged_decode", slowed(paged_decode, 0.0))
     monkeypatch.setattr(F, "scaled_dot_product_attention", slowed(sdpa_of_torch, 0.005))
-    monkeypatch.setattr(Attention, "_attend_decodes", slowed(Attention._attend_decodes, 0.005))
+    monkeypatch.setattr(Attention, "_attend_matmuls", slowed(Attention._attend_matmuls, 0.005))
     assert choose_attention(Attention(ARGS), torch.bfloat16, torch.bfloat16).paged_decodes

@@ -4,10 +4,12 @@ the machine (as tiered.py does for the projections).
 The fastest one differs between CPUs. Per layer, SmolLM2's heads, torch 2.13: on 2 AMD
 EPYC cores with AVX512-BF16, torch's bf16 SDPA ran 1.5-4x slower than upcasting q/k/v to
 fp32 for it, and one query per sequence ran fastest as two batched matmuls
-(`Attention._attend_decodes`); on 2 Sapphire Rapids cores (AMX) bf16 SDPA is 3x faster than
+(`Attention._attend_matmuls`); on 2 Sapphire Rapids cores (AMX) bf16 SDPA is 3x faster than
 upcasting (16 prefills of 128 tokens: 2.8 vs 8.6 ms) and beats the matmuls on decodes (16
 sequences of 256 tokens: 196 vs 298 us; equal at 64). Where gcc builds it, the paged C
-kernel (paged_decode.py) is timed on the same decodes, and serves them if fastest.
+kernel (paged_decode.py) is timed on the same decodes, and serves them if fastest. Prefill
+chunks over short contexts may take the matmuls too: timed on fresh prompts of 128, 256
+and 512 tokens, they serve contexts up to the longest at which they still won.
 
 The candidates are timed in rounds, each round calling every one of them once, and each keeps
 its best time: `redserve up` starts the api beside the scheduler, and timed back to back a
@@ -25,11 +27,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from workers.scheduler.llama import Attention, AttentionGroup
+from workers.scheduler.llama import Attention, AttentionGroup, score_bias
 from workers.scheduler.paged_decode import kernel_fits, paged_decode
 
 PREFILL_SHAPE = (4, 64, 128)  # sequences, new tokens each, context
 DECODE_SHAPE = (16, 256)  # sequences, context
+# Fresh prompts of these lengths, as many as fill a step of PREFILL_TOKENS, for the prefill
+# matmuls (whose scores grow with the square of the context).
+PREFILL_CONTEXTS = (128, 256, 512)
+PREFILL_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class AttentionChoice:
     upcast_sdpa: bool  # prefill chunks (and decodes without the matmuls): SDPA in fp32
     matmul_decodes: bool  # decode groups: two batched matmuls instead of SDPA
     paged_decodes: bool = False  # decode groups: paged_decode.py's kernel, before both
+    # prefill chunks over contexts up to this many tokens: two batched matmuls, not SDPA
+    matmul_prefill_max_context: int = 0
 
 
 @torch.inference_mode()
@@ -46,7 +54,7 @@ def choose_attention(
     """Times SDPA with and without the upcast on a prefill-shaped call, then the decode
     matmuls, SDPA (as just chosen) and the paged kernel on a decode-shaped one; best of
     `rounds`. Queries in `dtype`, the cache in `kv_dtype`."""
-    prefill, prefill_inputs = _prefill_group(attention, dtype, kv_dtype)
+    prefill, prefill_inputs = _prefill_group(attention, dtype, kv_dtype, PREFILL_SHAPE)
 
     def sdpa_prefill(upcast: bool) -> Callable[[], object]:
         def call() -> object:
@@ -57,8 +65,8 @@ def choose_attention(
 
     prefills = _best_times({"upcast": sdpa_prefill(True), "native": sdpa_prefill(False)}, rounds)
     upcast_sdpa = attention.upcast_sdpa = prefills["upcast"] < prefills["native"]
-    decode, decode_inputs, score_bias = _decode_group(attention, dtype, kv_dtype)
-    by_matmuls = replace(decode, score_bias=score_bias)  # takes Attention._attend_decodes
+    decode, decode_inputs = _decode_group(attention, dtype, kv_dtype)
+    by_matmuls = replace(decode, score_bias=score_bias(decode.mask))
     decodes: dict[str, Callable[[], object]] = {
         "sdpa": lambda: attention._attend_group(*decode_inputs, decode),
         "matmuls": lambda: attention._attend_group(*decode_inputs, by_matmuls),
@@ -72,7 +80,36 @@ def choose_attention(
         upcast_sdpa=upcast_sdpa,
         matmul_decodes=best["matmuls"] < best["sdpa"],
         paged_decodes=best.get("paged", float("inf")) < torch_paths,
+        matmul_prefill_max_context=_matmul_prefill_max_context(attention, dtype, kv_dtype, rounds),
     )
+
+
+def _matmul_prefill_max_context(
+    attention: Attention, dtype: torch.dtype, kv_dtype: torch.dtype, rounds: int
+) -> int:
+    """The longest of PREFILL_CONTEXTS up to which fresh prompts' attention runs faster as
+    matmuls than through SDPA (as chosen); 0 where SDPA wins at the shortest."""
+    longest = 0
+    for context in PREFILL_CONTEXTS:
+        shape = (PREFILL_TOKENS // context, context, context)
+        group, inputs = _prefill_group(attention, dtype, kv_dtype, shape)
+        calls = {
+            path: _attend_call(attention, inputs, replace(group, score_bias=bias))
+            for path, bias in (("sdpa", None), ("matmuls", score_bias(group.mask)))
+        }
+        best = _best_times(calls, rounds)
+        if best["matmuls"] >= best["sdpa"]:
+            break
+        longest = context
+    return longest
+
+
+def _attend_call(
+    attention: Attention,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    group: AttentionGroup,
+) -> Callable[[], object]:
+    return lambda: attention._attend_group(*inputs, group)
 
 
 def _best_times(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -122,9 +159,13 @@ def _inputs(
 
 
 def _prefill_group(
-    attention: Attention, dtype: torch.dtype, kv_dtype: torch.dtype
+    attention: Attention,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    shape: tuple[int, int, int],
 ) -> tuple[AttentionGroup, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    seqs, new, context = PREFILL_SHAPE
+    """Chunks of `new` tokens ending `seqs` contexts of `context` tokens."""
+    seqs, new, context = shape
     key_pos = torch.arange(context)
     q_pos = torch.arange(context - new, context).unsqueeze(1)
     mask = (key_pos <= q_pos).expand(seqs, 1, new, context)
@@ -135,11 +176,10 @@ def _prefill_group(
 
 def _decode_group(
     attention: Attention, dtype: torch.dtype, kv_dtype: torch.dtype
-) -> tuple[AttentionGroup, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+) -> tuple[AttentionGroup, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     seqs, context = DECODE_SHAPE
     lengths = torch.linspace(context // 2, context, seqs).long()
     mask = (torch.arange(context) < lengths.unsqueeze(1)).view(seqs, 1, 1, context)
-    score_bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")).view(1, seqs, 1, -1)
     rows = torch.arange(seqs)
     group = AttentionGroup(token_index=rows, padded_index=rows, kv_rows=rows, mask=mask)
-    return group, _inputs(attention, (dtype, kv_dtype), seqs, seqs, context), score_bias
+    return group, _inputs(attention, (dtype, kv_dtype), seqs, seqs, context)

@@ -101,10 +101,10 @@ def _mark_dynamic_dims(input_ids: torch.Tensor, batch: AttentionBatch) -> None:
         torch._dynamo.maybe_mark_dynamic(group.kv_rows, 0)
         torch._dynamo.maybe_mark_dynamic(group.mask, 3)
         if group.score_bias is not None:
-            torch._dynamo.maybe_mark_dynamic(group.score_bias, 3)
+            torch._dynamo.maybe_mark_dynamic(group.score_bias, 4)
         if group.block_tables is not None:
             torch._dynamo.maybe_mark_dynamic(group.block_tables, 1)
-        if batched:  # [Tg], [Tg], [B, 1, Lq, Lk], [1, B, 1, Lk], [B, blocks], [B]
+        if batched:  # [Tg], [Tg], [B, 1, Lq, Lk], [1, B, 1, Lq, Lk], [B, blocks], [B]
             for tensor in (group.token_index, group.padded_index, group.mask):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             for optional, dim in (

@@ -121,8 +121,9 @@ class AttentionGroup:
     # [kv_heads, B, Lk, head_dim], each (kv head, sequence) a contiguous [Lk, head_dim].
     kv_rows: torch.Tensor
     mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = attend
-    # Decode groups that take `Attention._attend_decodes`: the mask as a score bias
-    # [1, B, 1, Lk] (0 = attend, -inf = padding); None = the general (SDPA) path.
+    # Groups that take `Attention._attend_matmuls` (decodes of enough sequences, prefill
+    # chunks over short contexts): the mask as a score bias [1, B, 1, Lq, Lk] (0 = attend,
+    # -inf = padding or the future); None = the general (SDPA) path.
     score_bias: torch.Tensor | None = None
     # Decode groups that take the paged kernel (paged_decode.py): each sequence's block
     # table [B, blocks] and context length [B], int32; the cache is read in place.
@@ -142,6 +143,13 @@ class AttentionBatch:
     groups: list[AttentionGroup]
     last_index: torch.Tensor  # [B] index in T of each sequence's last new token
     block_size: int
+
+
+def score_bias(mask: torch.Tensor) -> torch.Tensor:
+    """A group's mask [B, 1, Lq, Lk] as the score bias `Attention._attend_matmuls` adds,
+    [1, B, 1, Lq, Lk]: 0 where a query attends, -inf elsewhere."""
+    bias = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.view(1, mask.shape[0], 1, *mask.shape[2:])
 
 
 # A layer's K and V caches, [kv_heads, slots, head_dim] each. Separate tensors, not views of
@@ -260,38 +268,60 @@ class Attention(nn.Module):
         """Attention output [Tg, heads, head_dim] of the group's query rows `q`."""
         num_seqs, _, max_q, _ = group.mask.shape
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under fp32
-        if group.score_bias is not None:
-            return self._attend_decodes(q, keys, values, group.score_bias)
         if max_q == 1:  # decodes: one query per sequence, no padding
             queries = q.unsqueeze(1)
         else:
             queries = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
             queries[group.padded_index] = q
             queries = queries.view(num_seqs, max_q, self.num_heads, self.head_dim)
-        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [B, kv_heads, Lk, d]
-        if self.upcast_sdpa and _low_precision_cpu(q):
-            queries, keys, values = queries.float(), keys.float(), values.float()
-        attended = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys, values, attn_mask=group.mask, enable_gqa=True
-        ).transpose(1, 2)
-        attended = attended.reshape(-1, self.num_heads, self.head_dim).to(q.dtype)
+        if group.score_bias is not None:
+            attended = self._attend_matmuls(queries, keys, values, group.score_bias)
+        else:
+            attended = self._attend_sdpa(queries, keys, values, group.mask)
         return attended if max_q == 1 else attended[group.padded_index]
 
-    def _attend_decodes(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, score_bias: torch.Tensor
+    def _attend_sdpa(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """One query per sequence (bf16/fp16 on CPU, as the model runner decides): two
-        batched matmuls over the [kv_heads, B, Lk, head_dim] context, each (kv head,
-        sequence) a contiguous matrix; scores and softmax in fp32. Per layer at 64 sequences
-        of ~190 tokens: 0.8 ms vs 1.8 ms for upcasting K/V to fp32 for SDPA (the copies
-        were most of it)."""
-        num_seqs, group_size = q.shape[0], self.num_heads // self.num_kv_heads
-        # Query head h reads kv head h // group_size (as SDPA's enable_gqa).
-        queries = q.view(num_seqs, self.num_kv_heads, group_size, self.head_dim).transpose(0, 1)
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [kvh, B, G, Lk]
+        """Padded queries [B, Lq, heads, d] over contexts [kv_heads, B, Lk, d] through SDPA;
+        [B * Lq, heads, d]."""
+        dtype = queries.dtype
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [B, kv_heads, Lk, d]
+        if self.upcast_sdpa and _low_precision_cpu(queries):
+            queries, keys, values = queries.float(), keys.float(), values.float()
+        attended = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
+        ).transpose(1, 2)
+        return attended.reshape(-1, self.num_heads, self.head_dim).to(dtype)
+
+    def _attend_matmuls(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        score_bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """Padded queries [B, Lq, heads, d] (bf16/fp16 on CPU, as the model runner decides)
+        as two batched matmuls over the [kv_heads, B, Lk, head_dim] contexts, each (kv head,
+        sequence) one matrix of its group's query rows; scores and softmax in fp32;
+        [B * Lq, heads, d]. Per layer at 64 decodes of ~190 tokens: 0.8 ms vs 1.8 ms for
+        upcasting K/V to fp32 for SDPA (the copies were most of it); 16 fresh prompts of 128
+        tokens on 2 Zen 5 cores: 2.1 vs 5.3 ms for SDPA, whose CPU kernel neither skips the
+        masked half at that length nor runs bf16 faster than fp32. Scores take Lq x Lk
+        floats a query head, so only short contexts come here (attention_tuning.py)."""
+        num_seqs, max_q = queries.shape[:2]
+        kv_heads, group_size = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        # Query head h reads kv head h // group_size (as SDPA's enable_gqa): rows of one kv
+        # head's matrix are its group's heads, then positions. (A view when Lq is 1.)
+        grouped = queries.view(num_seqs, max_q, kv_heads, group_size, self.head_dim)
+        grouped = grouped.permute(2, 0, 3, 1, 4).reshape(kv_heads, num_seqs, -1, self.head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float()  # [kvh, B, G*Lq, Lk]
+        scores = scores.view(kv_heads, num_seqs, group_size, max_q, -1)
         scores = scores.mul_(self.head_dim**-0.5).add_(score_bias)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).transpose(0, 1).reshape(q.shape)
+        probs = torch.softmax(scores, dim=-1).to(queries.dtype).flatten(2, 3)
+        attended = torch.matmul(probs, values)  # [kvh, B, G*Lq, d]
+        attended = attended.view(kv_heads, num_seqs, group_size, max_q, self.head_dim)
+        return attended.permute(1, 3, 0, 2, 4).reshape(-1, self.num_heads, self.head_dim)
 
 
 def _low_precision_cpu(x: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 
 from shared.config import KV_CACHE_DTYPES
 from shared.protocol import SamplingParams
-from workers.scheduler.attention_tuning import AttentionChoice, choose_attention
+from workers.scheduler.attention_tuning import PREFILL_TOKENS, AttentionChoice, choose_attention
 from workers.scheduler.compiled import CompiledDecode
 from workers.scheduler.cuda_graphs import GraphedDecode, cuda_capture
 from workers.scheduler.llama import (
@@ -29,6 +29,7 @@ from workers.scheduler.llama import (
     LlamaForCausalLM,
     ModelArgs,
     load_model,
+    score_bias,
 )
 from workers.scheduler.memory import (
     available_memory,
@@ -98,7 +99,7 @@ def read_model_args(model_path: str) -> ModelArgs:
     return ModelArgs.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
 
 
-# Decode groups of at least this many sequences take `Attention._attend_decodes` (where
+# Decode groups of at least this many sequences take `Attention._attend_matmuls` (where
 # `matmul_decodes`); per layer, 160-token contexts: 1 seq 61 vs 45 us for SDPA, 4 seqs 95 vs 89 us,
 # 16 seqs 178 vs 298 us, 64 seqs 0.9 vs 1.9 ms.
 DECODE_MATMUL_MIN_SEQS = 8
@@ -132,11 +133,12 @@ class TorchModelRunner:
         self.cache_blocks = num_kv_blocks + 1  # the padding block last
         args, weight = model.args, model.embed_tokens.weight
         self.device = weight.device
-        # bf16/fp16 decodes on CPU may take Attention._attend_decodes (`use_attention`);
+        # bf16/fp16 decodes on CPU may take Attention._attend_matmuls (`use_attention`);
         # fp32 keeps SDPA (the exact reference; quantized fp32 runners are timed at load),
         # and so does CUDA.
         self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
         self.paged_decodes = False  # decode groups through paged_decode.py's kernel
+        self.matmul_prefill_max_context = 0  # prefill chunks' longest context for matmuls
         shape = (args.num_kv_heads, self.cache_blocks * block_size, args.head_dim)
         kv_dtype = kv_dtype or weight.dtype
         self.kv_cache: list[LayerCache] = [
@@ -228,6 +230,7 @@ class TorchModelRunner:
                 module.upcast_sdpa = choice.upcast_sdpa
         self.matmul_decodes = choice.matmul_decodes
         self.paged_decodes = choice.paged_decodes
+        self.matmul_prefill_max_context = choice.matmul_prefill_max_context
 
     def graphed_decode(self, max_batch: int) -> GraphedDecode:
         """Decode steps of up to `max_batch` sequences over contexts up to the model's
@@ -359,10 +362,21 @@ class TorchModelRunner:
         if max_q == 1 and self.paged_decodes:
             group.block_tables = blocks.to(torch.int32)
             group.context_lens = kv_len.to(torch.int32)
-        elif max_q == 1 and self.matmul_decodes and len(index) >= DECODE_MATMUL_MIN_SEQS:
-            bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-            group.score_bias = bias.view(1, len(index), 1, -1)
+        elif self._takes_matmuls(max_q, len(index), context=key_pos.shape[0]):
+            group.score_bias = score_bias(group.mask)
         return group
+
+    def _takes_matmuls(self, max_q: int, num_seqs: int, context: int) -> bool:
+        """Whether a group takes `Attention._attend_matmuls`: decodes of enough sequences
+        where `matmul_decodes`; prefill chunks over contexts of up to
+        `matmul_prefill_max_context` tokens (as timed at load) whose scores are no larger
+        than those timed there (a step budget above PREFILL_TOKENS makes larger ones, and
+        scores that spill out of the caches lose: 64 prompts of 128 tokens, bf16, 34 vs 22
+        ms a layer for SDPA on 2 Zen 5 cores, where 16 of them took 2.1 vs 5.3)."""
+        if max_q == 1:
+            return self.matmul_decodes and num_seqs >= DECODE_MATMUL_MIN_SEQS
+        longest = self.matmul_prefill_max_context
+        return context <= longest and num_seqs * max_q * context <= PREFILL_TOKENS * longest
 
 
 def projection_input_max(
