@@ -71,7 +71,6 @@ def test_prefill_matmuls_serve_contexts_up_to_the_longest_at_which_they_won(
         return sdpa_of_torch(*args, **kwargs)
 
     monkeypatch.setattr(attention_tuning, "PREFILL_TOKENS", 512)
-
     monkeypatch.setattr(Attention, "_attend_matmuls", slowed)
     monkeypatch.setattr(F, "scaled_dot_product_attention", slowed_sdpa)
     choice = choose_attention(Attention(ARGS), torch.bfloat16, torch.bfloat16, rounds=3)
