@@ -1,4 +1,4 @@
-/* bf16 <-> fp32 for the C kernels (paged_decode.c, w8a8_linear.c). */
+/* bf16 <-> fp32 for the C kernels (paged_decode.c, w8a8_linear.c, int8_bf16.c, rms_norm.c). */
 #ifndef REDSERVE_BF16_H
 #define REDSERVE_BF16_H
 #include <stdint.h>

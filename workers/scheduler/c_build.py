@@ -1,7 +1,7 @@
-"""Small C kernels built with gcc when the scheduler loads (paged_decode.c, w8a8_linear.c)
-and called through ctypes: no build step at install, and each is compiled for the CPU it
-runs on (`-march=native`). Without a C compiler, or if a build fails, the caller keeps
-torch's own kernels."""
+"""Small C kernels built with gcc when the scheduler loads (paged_decode.c, w8a8_linear.c,
+int8_bf16.c, rms_norm.c) and called through ctypes: no build step at install, and each is
+compiled for the CPU it runs on (`-march=native`). Without a C compiler, or if a build
+fails, the caller keeps torch's own kernels."""
 
 from __future__ import annotations
 
