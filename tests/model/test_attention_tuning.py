@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from workers.scheduler import attention_tuning
 from workers.scheduler.attention_tuning import choose_attention
-from workers.scheduler.llama import Attention, ModelArgs
+from workers.scheduler.llama import Attention
+from workers.scheduler.model_config import ModelArgs
 from workers.scheduler.paged_decode import kernel_library, paged_decode
 
 sdpa_of_torch = F.scaled_dot_product_attention

@@ -15,7 +15,8 @@ from tests.model.random_models import random_hf_model
 from tests.model.routing import route_every_size
 from workers.scheduler import llama, model_runner
 from workers.scheduler.attention_tuning import AttentionChoice
-from workers.scheduler.llama import ModelArgs, load_model
+from workers.scheduler.checkpoint import load_model
+from workers.scheduler.model_config import ModelArgs
 from workers.scheduler.model_runner import DECODE_MATMUL_MIN_SEQS, TorchModelRunner
 from workers.scheduler.paged_decode import kernel_library, paged_decode
 from workers.scheduler.prepacked import PrepackedLinear, can_prepack

@@ -6,8 +6,8 @@ import psutil
 import pytest
 import torch
 
-from workers.scheduler.llama import ModelArgs
 from workers.scheduler.memory import available_memory, kv_bytes_per_token, num_kv_blocks_for
+from workers.scheduler.model_config import ModelArgs
 
 MiB = 2**20
 

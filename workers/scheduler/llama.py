@@ -3,110 +3,22 @@
 The model runs on a flat batch of T new tokens from B sequences. Each layer writes the new
 tokens' K/V into the cache slots the block manager assigned, then attends over each
 sequence's whole context gathered from the cache, so prefill, decode, prefill chunks and
-prefixes reused from the cache are one code path. Weights load straight from the HF folder's
-config.json + safetensors; no transformers model object exists at run time.
-Families (`SUPPORTED_MODEL_TYPES`) differ only in flags of `ModelArgs`: Llama/SmolLM2
-(optional `attention_bias` on q/k/v/o, `mlp_bias`), Qwen2 (bias on q/k/v, none on o), Qwen3
-(a per-head RMSNorm on q and k before RoPE, optional `attention_bias`), Mistral (no bias; its
-sliding window is not implemented, so the context is capped at the window, where full
-attention is exact). Tied and untied embeddings both load.
+prefixes reused from the cache are one code path. The families' differences are flags of
+`ModelArgs` (model_config.py); checkpoint.py loads the weights.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from workers.scheduler import rms_norm
+from workers.scheduler.model_config import ModelArgs
 from workers.scheduler.paged_decode import paged_decode
-
-logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool = False  # bias on q/k/v
-    o_proj_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
-        if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
-            raise NotImplementedError(
-                f"model_type {cfg.get('model_type')!r} has no built-in forward yet "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        # transformers 5 writes `rope_parameters`; older folders `rope_theta`/`rope_scaling`.
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise NotImplementedError(f"RoPE scaling {rope} is not supported yet")
-        num_heads = cfg["num_attention_heads"]
-        return cls(
-            **_family_flags(cfg),
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            max_position_embeddings=_max_positions(cfg),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        )
-
-
-def _family_flags(cfg: dict[str, Any]) -> dict[str, bool]:
-    """Where a family's layers differ from Llama's (HF's modeling_<family>.py)."""
-    kind, bias = cfg["model_type"], bool(cfg.get("attention_bias"))
-    if kind == "qwen2":
-        return {"attention_bias": True}
-    if kind == "qwen3":
-        return {"attention_bias": bias, "o_proj_bias": bias, "qk_norm": True}
-    if kind == "mistral":
-        return {}
-    return {"attention_bias": bias, "o_proj_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias"))}
-
-
-def _max_positions(cfg: dict[str, Any]) -> int:
-    """The context length; capped at the sliding window where one applies (Mistral, Qwen's
-    sliding layers), since up to the window full causal attention is exactly the same."""
-    max_positions = int(cfg.get("max_position_embeddings") or 2048)
-    window = cfg.get("sliding_window")
-    slides = cfg["model_type"] == "mistral" or "sliding_attention" in (cfg.get("layer_types") or [])
-    if window and slides and window < max_positions:
-        logger.warning(
-            "sliding-window attention is not implemented: context capped at the window "
-            "(%d tokens instead of %d)",
-            window,
-            max_positions,
-        )
-        return int(window)
-    return max_positions
 
 
 @dataclass
@@ -396,67 +308,3 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] of N rows of final hidden states."""
         return self.lm_head(hidden).float()
-
-
-# Checkpoint projections that we keep fused: name -> (fused name, shard index).
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def load_model(folder: str | Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    folder = Path(folder)
-    args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(args, dtype)
-    model = model.to_empty(device=device).to(dtype)
-    cos, sin = rope_tables(args, dtype)  # buffers were on meta: compute them for real
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    if args.tie_word_embeddings:  # to_empty() unties shared parameters
-        model.lm_head.weight = model.embed_tokens.weight
-    _load_weights(model, folder)
-    return model.eval()
-
-
-def _load_weights(model: LlamaForCausalLM, folder: Path) -> None:
-    args, params = model.args, dict(model.named_parameters())
-    q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    # Shards are stacked along the output dim: q, k, v (or gate, up) in that order.
-    shard_sizes = {
-        "qkv_proj": [q_size, kv_size, kv_size],
-        "gate_up_proj": [args.intermediate_size, args.intermediate_size],
-    }
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {folder}")
-    loaded: set[str] = set()
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                target, shard = _target(name.removeprefix("model."))
-                if target not in params:
-                    logger.debug("ignoring checkpoint tensor %s", name)
-                    continue
-                param = params[target].data
-                if shard is not None:
-                    sizes = shard_sizes[target.split(".")[-2]]
-                    param = param[sum(sizes[:shard]) : sum(sizes[: shard + 1])]
-                param.copy_(f.get_tensor(name))
-                loaded.add(target)
-    missing = set(params) - loaded - ({"lm_head.weight"} if args.tie_word_embeddings else set())
-    if missing:
-        raise ValueError(f"weights missing from {folder}: {sorted(missing)[:5]}")
-
-
-def _target(name: str) -> tuple[str, int | None]:
-    """Our parameter name for a checkpoint tensor, and its shard index if fused."""
-    module, _, leaf = name.rpartition(".")
-    parent, _, proj = module.rpartition(".")
-    if proj in _FUSED:
-        fused, shard = _FUSED[proj]
-        return f"{parent}.{fused}.{leaf}", shard
-    return name, None

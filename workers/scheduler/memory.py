@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from workers.scheduler.llama import ModelArgs
+from workers.scheduler.model_config import ModelArgs
 
 
 def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:

@@ -8,7 +8,6 @@ scheduler imports torch (with llama.py and sampler.py); the loop sees it through
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch import nn
 from shared.config import KV_CACHE_DTYPES
 from shared.protocol import SamplingParams
 from workers.scheduler.attention_tuning import PREFILL_TOKENS, AttentionChoice, choose_attention
+from workers.scheduler.checkpoint import load_model
 from workers.scheduler.compiled import CompiledDecode
 from workers.scheduler.cuda_graphs import GraphedDecode, cuda_capture
 from workers.scheduler.llama import (
@@ -27,8 +27,6 @@ from workers.scheduler.llama import (
     AttentionGroup,
     LayerCache,
     LlamaForCausalLM,
-    ModelArgs,
-    load_model,
     score_bias,
 )
 from workers.scheduler.memory import (
@@ -93,10 +91,6 @@ def cpu_has_bf16() -> bool:
     except OSError:
         return False
     return any(word in ("avx512_bf16", "amx_bf16") for word in flags.split())
-
-
-def read_model_args(model_path: str) -> ModelArgs:
-    return ModelArgs.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
 
 
 # Decode groups of at least this many sequences take `Attention._attend_matmuls` (where
