@@ -2,7 +2,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 # A C/C++ compiler at run time: the scheduler builds its C kernels at load (paged decode
-# attention, the w8a8_int8 projection: workers/scheduler/c_build.py) and
+# attention, the w8a8_int8 projection: workers/scheduler/kernels/c_build.py) and
 # --enable-torch-compile compiles C++; without one, the kernels are left out (torch's paths
 # serve) and --enable-torch-compile refuses to start.
 RUN apt-get update \

@@ -30,9 +30,9 @@ import torch  # noqa: E402
 from bench.serving import make_prompts  # noqa: E402
 from shared.model_files import resolve_model  # noqa: E402
 from shared.protocol import SamplingParams  # noqa: E402
-from workers.scheduler.model_runner import DTYPES, TorchModelRunner, resolve_dtype  # noqa: E402
-from workers.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from workers.scheduler.sequence import Sequence  # noqa: E402
+from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from workers.scheduler.core.sequence import Sequence  # noqa: E402
+from workers.scheduler.engine.model_runner import DTYPES, TorchModelRunner, resolve_dtype  # noqa: E402
 
 
 def engine_core(runner: TorchModelRunner, prompts: list[list[int]], output_len: int) -> Scheduler:

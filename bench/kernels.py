@@ -5,14 +5,14 @@
 Times one pass over 30 layers' projections (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536: 120 distinct weights, so they are cache-cold as in the model) for each
 number of tokens per step, median of 5. Kernels: fp32 and bf16 `F.linear`; bf16 with the
-weights prepacked in oneDNN's layout (what a bf16 runner uses, workers/scheduler/prepacked.py;
-skipped where oneDNN has no bf16); torch's
+weights prepacked in oneDNN's layout (what a bf16 runner uses,
+workers/scheduler/layers/prepacked.py; skipped where oneDNN has no bf16); torch's
 weight-only packed int8 (per channel) and int4 (groups of 32) kernels with bf16
 activations (their fp32-activation paths are ~10x slower); fbgemm's dynamic int8
 (activations quantized per tensor: fast, but alone 119/160 top-1 agreement with fp32 on the
 real model); and `--quantization w8a8_int8`'s whole projections as the model runs them
 (bf16 activations, smoothing and 16 outlier channels from a calibration input): fbgemm's
-GEMM inside torch ops (`DynamicInt8`), and the C kernel (workers/scheduler/w8a8_kernel.py,
+GEMM inside torch ops (`DynamicInt8`), and the C kernel (workers/scheduler/kernels/w8a8.py,
 where the CPU has AVX512-VNNI or AVX2; where it has AMX-INT8 too, also built without its
 AMX tiles); and the C kernel's W8A16 projection (16-bit
 activations, 8-bit weights: `w8a8_int8`'s down_proj, where the CPU has AVX2).
@@ -35,15 +35,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from workers.scheduler.prepacked import PrepackedLinear, can_prepack  # noqa: E402
-from workers.scheduler.quantization import (  # noqa: E402
+from workers.scheduler.kernels.w8a8 import NO_AMX, build_kernel, kernel_fits  # noqa: E402
+from workers.scheduler.layers.prepacked import PrepackedLinear, can_prepack  # noqa: E402
+from workers.scheduler.layers.quantization import (  # noqa: E402
     INT4_GROUP_SIZE,
     DynamicInt8,
     int4_groups,
     int8_channels,
     w8a8_projection,
 )
-from workers.scheduler.w8a8_kernel import NO_AMX, build_kernel, kernel_fits  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 NUM_LAYERS = 30

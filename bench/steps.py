@@ -29,11 +29,11 @@ from bench.engine import engine_core  # noqa: E402
 from bench.serving import make_prompts  # noqa: E402
 from shared.config import KV_CACHE_DTYPES, QUANTIZATIONS  # noqa: E402
 from shared.model_files import resolve_model  # noqa: E402
-from workers.scheduler import quantization  # noqa: E402
-from workers.scheduler.attention_tuning import AttentionChoice  # noqa: E402
-from workers.scheduler.model_runner import TorchModelRunner  # noqa: E402
-from workers.scheduler.scheduler import Scheduler  # noqa: E402
-from workers.scheduler.w8a8_kernel import NO_AMX, build_kernel  # noqa: E402
+from workers.scheduler.core.scheduler import Scheduler  # noqa: E402
+from workers.scheduler.engine.model_runner import TorchModelRunner  # noqa: E402
+from workers.scheduler.kernels.w8a8 import NO_AMX, build_kernel  # noqa: E402
+from workers.scheduler.layers import quantization  # noqa: E402
+from workers.scheduler.layers.attention_tuning import AttentionChoice  # noqa: E402
 
 
 def engine(

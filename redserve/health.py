@@ -10,7 +10,9 @@ import asyncio
 import socket
 import urllib.request
 
+from shared import heartbeat
 from shared.config import Settings
+from shared.heartbeat import SCHEDULER
 from shared.keys import Keys
 from shared.redis_conn import connect
 
@@ -30,12 +32,9 @@ def _api_alive(settings: Settings) -> bool:
 
 
 async def _scheduler_alive(settings: Settings) -> bool:
-    keys = Keys(settings.key_prefix)
-    pattern = keys.heartbeat("scheduler", f"{socket.gethostname()}*")
     r = connect(settings.redis_url)
+    keys = Keys(settings.key_prefix)
     try:
-        async for _key in r.scan_iter(match=pattern, count=100):
-            return True
-        return False
+        return bool(await heartbeat.live_workers(r, keys, SCHEDULER, socket.gethostname()))
     finally:
         await r.aclose()

@@ -1,7 +1,13 @@
-"""Shared fixtures: a real redis-server on a free port, fakeredis, the real default model."""
+"""Shared fixtures: a real redis-server on a free port, fakeredis, the real default model.
+
+Markers say what a test needs (pyproject.toml lists them): `redis` and `model` are added here
+to every test that uses the `redis_url` or `model_path` fixture (directly or through another
+fixture); `ccompiler` is set by the kernel tests and skips them where no C compiler is on PATH.
+Select with `-m`, e.g. `pytest -m "not model and not redis"` for the layers that need neither."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator, Iterator
 
 import fakeredis
@@ -11,6 +17,20 @@ import redis.asyncio as aioredis
 from shared.embedded_redis import EmbeddedRedis
 from shared.keys import Keys
 from shared.model_files import resolve_model
+
+# A test that uses one of these fixtures needs what its marker names.
+FIXTURE_MARKERS = {"redis_url": "redis", "model_path": "model"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    has_compiler = bool(shutil.which("gcc") or shutil.which("cc"))
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        for fixture, marker in FIXTURE_MARKERS.items():
+            if fixture in fixtures:
+                item.add_marker(marker)
+        if not has_compiler and item.get_closest_marker("ccompiler"):
+            item.add_marker(pytest.mark.skip(reason="no C compiler on PATH"))
 
 
 @pytest.fixture(scope="session")

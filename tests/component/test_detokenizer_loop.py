@@ -17,8 +17,8 @@ from shared import protocol, request_state
 from shared.config import Settings
 from shared.keys import Keys
 from shared.protocol import DetokParams, FinishReason, TextBatch, TokenBatch, TokenEntry
-from workers.detokenizer import DetokenizerLoop
-from workers.detokenizer_core import Tokenizer
+from workers.detokenizer.core import Tokenizer
+from workers.detokenizer.loop import DetokenizerLoop
 
 TEXT = "Hello 🙂, how are you?"
 LENGTH = FinishReason(type="length", length=8)

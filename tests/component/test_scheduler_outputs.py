@@ -8,15 +8,15 @@ import redis.asyncio as aioredis
 from shared import protocol, request_stream
 from shared.keys import Keys
 from shared.protocol import DetokParams, LogprobRequest, Logprobs, TokenBatch, TokenEntry
-from tests.component.test_scheduler_loop import (
+from tests.support.scheduler_loop import (
     ScriptedRunner,
     entries_of,
     make_loop,
     received,
     subscribe,
 )
-from workers.detokenizer_core import DetokenizerCore
-from workers.scheduler.sequence import Sequence
+from workers.detokenizer.core import DetokenizerCore
+from workers.scheduler.core.sequence import Sequence
 
 
 class OutputsRunner(ScriptedRunner):

@@ -3,65 +3,15 @@ redis-server, serving the real SmolLM2-135M-Instruct."""
 
 from __future__ import annotations
 
-import subprocess
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import redis
 
 from redserve.supervisor import start_tiers, stop_tiers
 from shared.config import ApiSettings, SchedulerSettings, Settings
 from shared.embedded_redis import free_port
-from shared.keys import Keys
-
-STARTUP_TIMEOUT_S = 180
-
-
-@dataclass
-class Stack:
-    settings: Settings
-    procs: dict[str, subprocess.Popen[bytes]]
-    log_dir: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.settings.api.port}"
-
-    @property
-    def keys(self) -> Keys:
-        return Keys(self.settings.key_prefix)
-
-    def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
-            for p in sorted(self.log_dir.glob("*.log"))
-        )
-
-
-def _wait_ready(stack: Stack) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    r = stack.redis()
-    beat = stack.keys.heartbeat("scheduler", stack.settings.scheduler.worker_id)
-    while time.monotonic() < deadline:
-        dead = {t: p.returncode for t, p in stack.procs.items() if p.poll() is not None}
-        if dead:
-            raise RuntimeError(f"tiers exited early: {dead}\n{stack.logs()}")
-        try:
-            with urllib.request.urlopen(stack.base_url + "/health", timeout=1) as resp:
-                if resp.status == 200 and r.exists(beat):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"stack not ready in {STARTUP_TIMEOUT_S}s\n{stack.logs()}")
+from tests.support.stack import Stack, wait_ready
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +30,7 @@ def stack(
     log_dir = tmp_path_factory.mktemp("stack-logs")
     stack = Stack(settings, start_tiers(settings, log_dir), log_dir)
     try:
-        _wait_ready(stack)
+        wait_ready(stack)
         yield stack
     finally:
         stop_tiers(stack.procs)

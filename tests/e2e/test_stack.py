@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import Stack
+from tests.support.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model.teacher_forcing import Reference, fp32_reference
+from tests.support.teacher_forcing import Reference, fp32_reference
 
 
 @pytest.fixture(scope="session")

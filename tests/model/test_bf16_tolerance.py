@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.teacher_forcing import Reference, agreement
-from workers.scheduler.model_runner import TorchModelRunner
+from tests.support.teacher_forcing import Reference, agreement
+from workers.scheduler.engine.model_runner import TorchModelRunner
 
 pytestmark = pytest.mark.model
 

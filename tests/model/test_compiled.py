@@ -11,16 +11,16 @@ import torch
 from torch._dynamo.utils import counters
 
 from shared.protocol import SamplingParams
-from tests.model.decoding import decode_steps
-from tests.model.random_models import saved_random_model
-from tests.model.test_families import SMALL
-from tests.model.test_model_runner import run_core
-from workers.scheduler import model_runner, paged_decode
-from workers.scheduler.attention_tuning import AttentionChoice
-from workers.scheduler.model_runner import TorchModelRunner
-from workers.scheduler.paged_decode import kernel_library
-from workers.scheduler.prepacked import PrepackedLinear, can_prepack
-from workers.scheduler.sequence import Sequence
+from tests.support.decoding import decode_steps
+from tests.support.engine import run_core
+from tests.support.models import SMALL, saved_random_model
+from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.engine import model_runner
+from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.kernels import paged_decode
+from workers.scheduler.kernels.paged_decode import kernel_library
+from workers.scheduler.layers.attention_tuning import AttentionChoice
+from workers.scheduler.layers.prepacked import PrepackedLinear, can_prepack
 
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 24

@@ -16,19 +16,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shared.protocol import SamplingParams
-from tests.model.decoding import decode_steps
-from tests.model.random_models import saved_random_model
-from tests.model.test_families import SMALL
-from tests.model.test_model_runner import run_core
-from workers.scheduler.cuda_graphs import (
+from tests.support.decoding import decode_steps
+from tests.support.engine import run_core
+from tests.support.models import SMALL, saved_random_model
+from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.engine.cuda_graphs import (
     SYNCING_OPS,
     GraphedDecode,
     batch_buckets,
     bucket_for,
     context_buckets,
 )
-from workers.scheduler.model_runner import TorchModelRunner
-from workers.scheduler.sequence import Sequence
+from workers.scheduler.engine.model_runner import TorchModelRunner
 
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 24

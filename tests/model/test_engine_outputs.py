@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from shared.protocol import LogprobRequest, SamplingParams
-from workers.scheduler.model_runner import TorchModelRunner
-from workers.scheduler.scheduler import Scheduler, SchedulerConfig
-from workers.scheduler.sequence import Sequence
+from tests.support.core import drive
+from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.engine.model_runner import TorchModelRunner
 
 pytestmark = pytest.mark.model
 
@@ -70,16 +71,7 @@ def run(
         eos_token_ids=eos,
     )
     core = Scheduler(config, decode_tail=lambda ids: "")
-    arrivals = arrivals or [0] * len(seqs)
-    step = 0
-    while step <= max(arrivals) or not core.is_idle:
-        for seq, arrival in zip(seqs, arrivals, strict=True):
-            if arrival == step:
-                assert core.add(seq) is None
-        batch = core.schedule()
-        if batch:
-            core.postprocess(batch, runner.run(batch))
-        step += 1
+    drive(core, seqs, runner.run, arrivals)
     return seqs
 
 

@@ -10,31 +10,19 @@ from typing import Any
 import pytest
 import torch
 
-from shared.protocol import SamplingParams
-from tests.model.random_models import random_hf_model
-from tests.model.routing import route_every_size
-from workers.scheduler import llama, model_runner
-from workers.scheduler.attention_tuning import AttentionChoice
-from workers.scheduler.checkpoint import load_model
-from workers.scheduler.model_config import ModelArgs
-from workers.scheduler.model_runner import DECODE_MATMUL_MIN_SEQS, TorchModelRunner
-from workers.scheduler.paged_decode import kernel_library, paged_decode
-from workers.scheduler.prepacked import PrepackedLinear, can_prepack
-from workers.scheduler.quantization import fits, quantize_model
-from workers.scheduler.sequence import Sequence
-from workers.scheduler.tiered import DENSE, TieredLinear
-
-BLOCK_SIZE = 16
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-)
+from tests.support.engine import BLOCK_SIZE, hand_seqs, step
+from tests.support.models import SMALL, random_hf_model
+from tests.support.routing import route_every_size
+from workers.scheduler.engine import model_runner
+from workers.scheduler.engine.model_runner import DECODE_MATMUL_MIN_SEQS, TorchModelRunner
+from workers.scheduler.kernels.paged_decode import kernel_library, paged_decode
+from workers.scheduler.layers.attention_tuning import AttentionChoice
+from workers.scheduler.layers.prepacked import PrepackedLinear, can_prepack
+from workers.scheduler.layers.quantization import fits, quantize_model
+from workers.scheduler.layers.tiered import DENSE, TieredLinear
+from workers.scheduler.model import llama
+from workers.scheduler.model.checkpoint import load_model
+from workers.scheduler.model.config import ModelArgs
 
 
 def _configs() -> dict[str, Any]:
@@ -63,25 +51,13 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return model, folder
 
 
-def _seqs(prompts: list[list[int]]) -> list[Sequence]:
-    """Sequences with KV blocks assigned by hand (no block manager needed)."""
-    seqs, next_block = [], 0
-    for i, p in enumerate(prompts):
-        seq = Sequence(f"r{i}", p, SamplingParams(temperature=0))
-        n = -(-(len(p) + 4) // BLOCK_SIZE)
-        seq.block_table = list(range(next_block, next_block + n))
-        next_block += n
-        seqs.append(seq)
-    return seqs
-
-
 def test_logits_match_hugging_face_in_prefill_and_decode(family: Any) -> None:
     hf, folder = family
     runner = TorchModelRunner.load(str(folder), num_kv_blocks=16, block_size=BLOCK_SIZE)
     assert runner.model.args.tie_word_embeddings == hf.config.tie_word_embeddings
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 9, 16)]
-    seqs = _seqs(prompts)
+    seqs = hand_seqs(prompts)
     with torch.inference_mode():
         hidden = step(runner, seqs)
         ours = runner.model.compute_logits(hidden).split([len(p) for p in prompts])
@@ -110,7 +86,7 @@ def test_int4_runs_every_family_close_to_fp32(family: Any) -> None:
     assert isinstance(int4.model.layers[0].mlp.gate_up_proj, TieredLinear)
     route_every_size(int4.model)  # the compact kernels, whatever is fastest here
     prompts = [[3, 5, 7, 11, 13], [2, 4, 6]]
-    seqs = {name: _seqs(prompts) for name in ("dense", "int4")}
+    seqs = {name: hand_seqs(prompts) for name in ("dense", "int4")}
     with torch.inference_mode():
         for runner, name in ((dense, "dense"), (int4, "int4")):
             step(runner, seqs[name])  # prefill: 8 tokens
@@ -142,7 +118,7 @@ def test_bf16_decode_attention_follows_sdpa(
     calls: list[int] = []
     monkeypatch.setattr(llama, "paged_decode", lambda *a: calls.append(1) or paged_decode(*a))
     lengths = [18, 3, 5, 1, 9, 16, 17, 2][:DECODE_MATMUL_MIN_SEQS]
-    seqs = _seqs([list(range(3, 3 + n)) for n in lengths])
+    seqs = hand_seqs([list(range(3, 3 + n)) for n in lengths])
     with torch.inference_mode():
         step(runner, seqs)
         for seq in seqs:
@@ -182,7 +158,7 @@ def test_bf16_prefill_attention_without_the_upcast_follows_it(family: Any) -> No
     for upcast in (True, False):
         runner = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, dtype="bfloat16")
         runner.use_attention(AttentionChoice(upcast_sdpa=upcast, matmul_decodes=True))
-        seqs = _seqs([list(range(3, 3 + n)) for n in (21, 9, 16)])
+        seqs = hand_seqs([list(range(3, 3 + n)) for n in (21, 9, 16)])
         with torch.inference_mode():
             hidden = [step(runner, seqs)]
             seqs[0].token_ids.extend(range(40, 48))  # within its 2 blocks
@@ -205,7 +181,7 @@ def test_prefill_attention_as_matmuls_follows_sdpa(family: Any, dtype: str) -> N
     for max_context in (0, 64):
         runner = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, dtype=dtype)
         runner.use_attention(AttentionChoice(True, True, matmul_prefill_max_context=max_context))
-        seqs = _seqs([list(range(3, 3 + n)) for n in (21, 9, 16)])
+        seqs = hand_seqs([list(range(3, 3 + n)) for n in (21, 9, 16)])
         with torch.inference_mode():
             for seq in seqs:
                 seq.num_new_tokens = seq.num_uncomputed_tokens
@@ -227,7 +203,7 @@ def test_prefill_chunks_over_longer_contexts_or_more_scores_stay_on_sdpa(
     _, folder = family
     runner = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, dtype="bfloat16")
     runner.use_attention(AttentionChoice(True, True, matmul_prefill_max_context=32))
-    seqs = _seqs([list(range(3, 3 + n)) for n in (40, 9)])  # 48 and 32 tokens gathered
+    seqs = hand_seqs([list(range(3, 3 + n)) for n in (40, 9)])  # 48 and 32 tokens gathered
     for seq in seqs:
         seq.num_new_tokens = seq.num_uncomputed_tokens
     assert runner._prepare(seqs).groups[0].score_bias is None
@@ -259,7 +235,7 @@ def test_bf16_prepacked_projections_give_the_plain_bits(family: Any, quantizatio
     outputs = []
     with torch.inference_mode():
         for runner in (packed, plain):
-            seqs = _seqs(prompts)
+            seqs = hand_seqs(prompts)
             hidden = [step(runner, seqs)]
             for seq in seqs:
                 seq.append_token(9)
@@ -267,17 +243,6 @@ def test_bf16_prepacked_projections_give_the_plain_bits(family: Any, quantizatio
             outputs.append([runner.model.compute_logits(h) for h in hidden])
     for ours, theirs in zip(*outputs, strict=True):
         assert torch.equal(ours, theirs)
-
-
-def step(runner: TorchModelRunner, seqs: list[Sequence]) -> torch.Tensor:
-    """Hidden states of every token not yet in the cache (the scheduler's part by hand)."""
-    for seq in seqs:
-        seq.num_new_tokens = seq.num_uncomputed_tokens
-    hidden, _ = runner.forward(seqs)
-    for seq in seqs:
-        seq.num_computed_tokens += seq.num_new_tokens
-        seq.num_new_tokens = 0
-    return hidden
 
 
 def test_an_unsupported_architecture_names_the_supported_ones() -> None:

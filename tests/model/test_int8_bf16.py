@@ -9,10 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from workers.scheduler import int8_bf16, quantization
-from workers.scheduler.int8_bf16 import Int8Bf16
-from workers.scheduler.quantization import int8_channels
-from workers.scheduler.tiered import TieredLinear
+from workers.scheduler.kernels import int8_bf16
+from workers.scheduler.kernels.int8_bf16 import Int8Bf16
+from workers.scheduler.layers import quantization
+from workers.scheduler.layers.quantization import int8_channels
+from workers.scheduler.layers.tiered import TieredLinear
+
+pytestmark = pytest.mark.ccompiler
 
 HERE = int8_bf16.fits(torch.zeros(16, 32))
 needs_amx = pytest.mark.skipif(not HERE, reason="this CPU has no AMX-BF16 (or no C compiler)")

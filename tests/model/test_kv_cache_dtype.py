@@ -8,12 +8,13 @@ import torch
 
 from redserve.cli import build_parser, settings_from_args
 from shared.protocol import SamplingParams
-from tests.model.teacher_forcing import Reference, agreement
-from workers.scheduler.attention_tuning import AttentionChoice
-from workers.scheduler.memory import kv_bytes_per_token
-from workers.scheduler.model_runner import TorchModelRunner, resolve_kv_dtype
-from workers.scheduler.paged_decode import kernel_library
-from workers.scheduler.sequence import Sequence
+from tests.support.teacher_forcing import Reference, agreement
+from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.engine.dtypes import resolve_kv_dtype
+from workers.scheduler.engine.memory import kv_bytes_per_token
+from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.kernels.paged_decode import kernel_library
+from workers.scheduler.layers.attention_tuning import AttentionChoice
 
 pytestmark = pytest.mark.model
 

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from shared.protocol import SamplingParams
-from workers.scheduler.attention_tuning import AttentionChoice
-from workers.scheduler.model_runner import TorchModelRunner
-from workers.scheduler.paged_decode import kernel_library
-from workers.scheduler.scheduler import Scheduler, SchedulerConfig
-from workers.scheduler.sequence import Sequence
+from tests.support.engine import run_core
+from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.kernels.paged_decode import kernel_library
+from workers.scheduler.layers.attention_tuning import AttentionChoice
 
 pytestmark = pytest.mark.model
 
@@ -76,42 +75,6 @@ def hf_outputs(model_path: str, prompts: list[list[int]]) -> Iterator[list[list[
             )
             outputs.append(out[0, len(prompt) :].tolist())
     yield outputs
-
-
-def run_core(
-    runner: TorchModelRunner,
-    prompts: list[list[int]],
-    sampling: list[SamplingParams],
-    arrival_step: list[int] | None = None,
-    **config: Any,
-) -> list[Sequence]:
-    """Drive our core + runner; request i joins at step `arrival_step[i]` (default 0).
-    `config` overrides SchedulerConfig fields (token budget, KV blocks, prefix caching)."""
-    core = Scheduler(
-        SchedulerConfig(
-            **{
-                "num_kv_blocks": NUM_KV_BLOCKS,
-                "vocab_size": runner.vocab_size,
-                "max_model_len": 2048,
-                "block_size": BLOCK_SIZE,
-                "eos_token_ids": frozenset({2}),
-                **config,
-            }
-        ),
-        decode_tail=lambda ids: "",
-    )
-    seqs = [Sequence(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))]
-    arrivals = arrival_step or [0] * len(seqs)
-    step = 0
-    while step <= max(arrivals) or not core.is_idle:
-        for seq, arrival in zip(seqs, arrivals, strict=True):
-            if arrival == step:
-                assert core.add(seq) is None
-        batch = core.schedule()
-        if batch:
-            core.postprocess(batch, runner.run(batch))
-        step += 1
-    return seqs
 
 
 def generate(

@@ -11,17 +11,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.model.random_models import saved_random_model
-from tests.model.test_families import BLOCK_SIZE, SMALL, _seqs, step
-from workers.scheduler import llama, model_runner
-from workers.scheduler import paged_decode as paged_decode_module
-from workers.scheduler.attention_tuning import AttentionChoice
-from workers.scheduler.model_runner import TorchModelRunner
-from workers.scheduler.paged_decode import build_kernel, kernel_fits, kernel_library, paged_decode
-
-pytestmark = pytest.mark.skipif(
-    kernel_library() is None, reason="no C compiler here: the paged decode kernel is not built"
+from tests.support.engine import BLOCK_SIZE, hand_seqs, step
+from tests.support.models import SMALL, saved_random_model
+from workers.scheduler.engine import model_runner
+from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.kernels import paged_decode as paged_decode_module
+from workers.scheduler.kernels.paged_decode import (
+    build_kernel,
+    kernel_fits,
+    kernel_library,
+    paged_decode,
 )
+from workers.scheduler.layers.attention_tuning import AttentionChoice
+from workers.scheduler.model import llama
+
+pytestmark = [
+    pytest.mark.ccompiler,
+    pytest.mark.skipif(
+        kernel_library() is None, reason="no C compiler here: the paged decode kernel is not built"
+    ),
+]
 
 
 def reference(
@@ -131,7 +140,7 @@ def test_a_step_of_decodes_and_a_prefill_chunk_takes_the_kernel_for_the_decodes(
     for paged in (False, True):
         runner = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE, dtype=dtype)
         runner.use_attention(AttentionChoice(True, True, paged_decodes=paged))
-        seqs = _seqs([list(range(3, 3 + n)) for n in (21, 9, 30)])
+        seqs = hand_seqs([list(range(3, 3 + n)) for n in (21, 9, 30)])
         with torch.inference_mode():
             step(runner, seqs[:2])  # two prompts in the cache
             for seq in seqs[:2]:

@@ -10,18 +10,19 @@ import pytest
 import torch
 from torch import nn
 
-from tests.model.routing import route_every_size
-from tests.model.teacher_forcing import Reference, agreement
-from workers.scheduler import int8_bf16, quantization
-from workers.scheduler.model_runner import TorchModelRunner
-from workers.scheduler.quantization import (
+from tests.support.routing import route_every_size
+from tests.support.teacher_forcing import Reference, agreement
+from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.kernels import int8_bf16
+from workers.scheduler.kernels.w8a8 import FusedW8A8, kernel_fits
+from workers.scheduler.layers import quantization
+from workers.scheduler.layers.quantization import (
     DynamicInt8,
     Int4Weights,
     Int8Weights,
     quantize_model,
 )
-from workers.scheduler.tiered import DENSE, TUNED_TOKENS, TieredLinear, tune_routes
-from workers.scheduler.w8a8_kernel import FusedW8A8, kernel_fits
+from workers.scheduler.layers.tiered import DENSE, TUNED_TOKENS, TieredLinear, tune_routes
 
 pytestmark = pytest.mark.model
 

@@ -7,12 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.scheduler import rms_norm
-from workers.scheduler.llama import RMSNorm
+from workers.scheduler.kernels import rms_norm
+from workers.scheduler.model.llama import RMSNorm
 
-pytestmark = pytest.mark.skipif(
-    rms_norm.rms_norm_library() is None, reason="no C compiler: no RMSNorm kernel"
-)
+pytestmark = [
+    pytest.mark.ccompiler,
+    pytest.mark.skipif(
+        rms_norm.rms_norm_library() is None, reason="no C compiler: no RMSNorm kernel"
+    ),
+]
 
 
 def _torch_ops(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

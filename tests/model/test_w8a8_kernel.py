@@ -1,4 +1,4 @@
-"""The W8A8 and W8A16 projections in C (w8a8_kernel.py): their own math, the dense weights
+"""The W8A8 and W8A16 projections in C (w8a8.py): their own math, the dense weights
 within the int8 tolerance, every tile remainder, bf16 and fp32, no saturation or overflow at
 the extremes, and the portable loops as well as the AVX2 and AVX512-VNNI ones (where this
 CPU has them)."""
@@ -12,9 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from workers.scheduler import quantization
-from workers.scheduler.quantization import DynamicInt8, w8a8_projection
-from workers.scheduler.w8a8_kernel import NO_AMX, FusedW8A8, build_kernel, kernel_fits
+from workers.scheduler.kernels.w8a8 import NO_AMX, FusedW8A8, build_kernel, kernel_fits
+from workers.scheduler.layers import quantization
+from workers.scheduler.layers.quantization import DynamicInt8, w8a8_projection
+
+pytestmark = pytest.mark.ccompiler
 
 # Each path of the C source as this CPU can build it: the portable loops, AVX2's,
 # AVX512-VNNI's and AMX's (`w8a8_vectorized()`, `w8a8_amx()`).

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from shared.protocol import LogprobRequest, SamplingParams
-from workers.scheduler.block_manager import BlockManager
-from workers.scheduler.logprob_state import LogprobState
-from workers.scheduler.sequence import Sequence
+from workers.scheduler.core.block_manager import BlockManager
+from workers.scheduler.core.logprob_state import LogprobState
+from workers.scheduler.core.sequence import Sequence
 
 
 def make_seq(num_tokens: int, rid: str = "r", first: int = 1) -> Sequence:

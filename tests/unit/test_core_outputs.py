@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from shared.protocol import FinishReason, SamplingParams
-from workers.scheduler.scheduler import Scheduler, SchedulerConfig
-from workers.scheduler.sequence import Sequence
+from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler.core.sequence import Sequence
 
 EOS = 2
 

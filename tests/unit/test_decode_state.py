@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from shared.protocol import DetokParams, FinishReason, TextEntry, TokenBatch, TokenEntry
-from workers.detokenizer_core import (
+from workers.detokenizer.core import (
     REPLACEMENT,
     DetokenizerCore,
     Tokenizer,

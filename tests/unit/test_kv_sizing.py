@@ -6,8 +6,8 @@ import psutil
 import pytest
 import torch
 
-from workers.scheduler.memory import available_memory, kv_bytes_per_token, num_kv_blocks_for
-from workers.scheduler.model_config import ModelArgs
+from tests.support.models import tiny_args
+from workers.scheduler.engine.memory import available_memory, kv_bytes_per_token, num_kv_blocks_for
 
 MiB = 2**20
 
@@ -29,19 +29,7 @@ def test_a_cache_that_cannot_be_sized_is_an_error() -> None:
 
 
 def test_bytes_per_token_count_k_and_v_of_every_layer() -> None:
-    args = ModelArgs(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=1e5,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )  # SmolLM2-135M
+    args = tiny_args(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's KV
     assert kv_bytes_per_token(args, torch.float32) == 2 * 30 * 3 * 64 * 4
     assert kv_bytes_per_token(args, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
 

@@ -7,16 +7,16 @@ import math
 import torch
 
 from shared.protocol import LogprobRequest, SamplingParams
-from workers.scheduler.logprob_state import LogprobState
-from workers.scheduler.outputs import (
+from workers.scheduler.core.logprob_state import LogprobState
+from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.engine.outputs import (
     Span,
     record_embeddings,
     record_input_logprobs,
     record_output_logprobs,
     step_spans,
 )
-from workers.scheduler.sampler import process_logits
-from workers.scheduler.sequence import Sequence
+from workers.scheduler.engine.sampler import process_logits
 
 VOCAB, HIDDEN = 40, 8
 HEAD = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))

@@ -7,8 +7,8 @@ import math
 import torch
 
 from shared.protocol import SamplingParams
-from workers.scheduler.sampler import process_logits, sample
-from workers.scheduler.sequence import Sequence
+from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.engine.sampler import process_logits, sample
 
 EOS = 2
 

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from shared.protocol import FinishReason, SamplingParams
-from workers.scheduler.scheduler import Scheduler, SchedulerConfig
-from workers.scheduler.sequence import Sequence, SequenceStatus
+from tests.support.core import drive
+from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler.core.sequence import Sequence, SequenceStatus
 
 EOS = 2
 VOCAB = 100
@@ -64,7 +65,10 @@ def step(core: Scheduler, token: int = 50) -> tuple[dict[str, int], list[str]]:
 
 def test_core_imports_neither_torch_nor_redis() -> None:
     code = (
-        "import sys, workers.scheduler.scheduler, workers.scheduler.block_manager;"
+        "import importlib, pkgutil, sys, workers.scheduler.core as core;"
+        "[importlib.import_module(m.name)"
+        " for m in pkgutil.walk_packages(core.__path__, 'workers.scheduler.core.')];"
+        "assert len(sys.modules) and 'workers.scheduler.core.sequence' in sys.modules;"
         "assert not {'torch', 'redis'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
@@ -304,19 +308,14 @@ class PagedFakeModel:
         return tokens
 
 
-def drive(core: Scheduler, seqs: list[Sequence], arrivals: list[int]) -> PagedFakeModel:
+def drive_paged(core: Scheduler, seqs: list[Sequence], arrivals: list[int]) -> PagedFakeModel:
     model = PagedFakeModel(core.config.block_size)
-    step_no = 0
-    while step_no <= max(arrivals) or not core.is_idle:
-        for seq, arrival in zip(seqs, arrivals, strict=True):
-            if arrival == step_no:
-                assert core.add(seq) is None
-        batch = core.schedule()
+
+    def within_budget(batch: list[Sequence]) -> None:
         assert sum(seq.num_new_tokens for seq in batch) <= core.config.max_num_batched_tokens
         assert len(batch) <= core.config.max_num_seqs
-        core.postprocess(batch, model.run(batch) if batch else [])
-        step_no += 1
-        assert step_no < 10_000
+
+    drive(core, seqs, model.run, arrivals, within_budget)
     assert core.block_manager.num_free_blocks == core.config.num_kv_blocks
     return model
 
@@ -342,7 +341,7 @@ def outputs(seed: int, **config: Any) -> tuple[list[Sequence], PagedFakeModel]:
         for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
     ]
     core = make_core(**{"max_model_len": 128, **config})
-    return seqs, drive(core, seqs, arrivals)
+    return seqs, drive_paged(core, seqs, arrivals)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -23,9 +23,9 @@ from shared.keys import Keys
 from shared.logging_setup import configure_logging
 from shared.model_files import resolve_model
 from shared.redis_conn import connect
+from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler.engine.model_runner import TorchModelRunner
 from workers.scheduler.loop import SchedulerLoop
-from workers.scheduler.model_runner import TorchModelRunner
-from workers.scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("workers.scheduler")
 

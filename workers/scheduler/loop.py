@@ -19,11 +19,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared import protocol, request_state, request_stream
+from shared import heartbeat, protocol, request_state, request_stream
 from shared.config import Settings
-from shared.keys import HEARTBEAT_EVERY_S, HEARTBEAT_TTL_S, Keys, shard_of
-from workers.scheduler.scheduler import ABORTED, Scheduler
-from workers.scheduler.sequence import Sequence, SequenceStatus
+from shared.keys import HEARTBEAT_EVERY_S, Keys, shard_of
+from workers.scheduler.core.scheduler import ABORTED, Scheduler
+from workers.scheduler.core.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -240,35 +240,20 @@ class SchedulerLoop:
         return sends
 
     def _queue_outputs(self, pipe: aioredis.client.Pipeline) -> None:
+        """The outbox's news: a TokenBatch per shard, the id log appends, and for finished
+        requests their final state and the ack."""
         batches: dict[int, list[protocol.TokenEntry]] = defaultdict(list)
-        finished = []
         for seq in self._outbox.values():
-            new_ids = seq.unpublished_ids()
-            lp, first = seq.logprobs, seq.num_published
-            # Prompt logprobs ride on the first entry that carries tokens (or the finish).
-            first_out = first == 0 and bool(new_ids or seq.finish)
-            entry = protocol.TokenEntry(
-                rid=seq.rid,
-                epoch=seq.epoch,
-                seq=seq.num_published,
-                token_ids=new_ids,
-                prompt_tokens=seq.num_prompt_tokens,
-                finish=seq.finish,
-                cached_tokens=seq.num_cached_tokens,
-                detok=seq.detok if seq.num_published == 0 else None,
-                output_logprobs=lp.output_slice(first, first + len(new_ids)) if lp else None,
-                input_logprobs=lp.input if lp and first_out else None,
-                embedding=seq.embedding if seq.is_finished else None,
-            )
+            entry = token_entry(seq)
             batches[shard_of(seq.rid, self.settings.num_token_shards)].append(entry)
-            request_state.append_ids(pipe, self.keys, seq.rid, new_ids)
-            if seq.is_finished:
-                finished.append(seq)
+            request_state.append_ids(pipe, self.keys, seq.rid, entry.token_ids)
         for shard, entries in batches.items():
             batch = protocol.TokenBatch(worker_id=self.worker_id, entries=entries)
             pipe.publish(self.keys.token_channel(shard), protocol.encode(batch))
         # Invariant 1: finish and ack only in the transaction that carries the last output.
-        for seq in finished:
+        for seq in self._outbox.values():
+            if not seq.is_finished:
+                continue
             assert seq.finish is not None
             request_state.finish(
                 pipe,
@@ -281,17 +266,14 @@ class SchedulerLoop:
             request_stream.ack(pipe, self.keys, seq.entry_id)
 
     def _queue_heartbeat(self, pipe: aioredis.client.Pipeline) -> None:
-        key = self.keys.heartbeat("scheduler", self.worker_id)
         bm = self.core.block_manager
-        beat = {
-            "num_running": len(self.core.running),
-            "num_waiting": len(self.core.waiting),
-            "num_free_blocks": bm.num_free_blocks,
-            "num_total_blocks": bm.num_total_blocks,
-            "updated_at": time.time(),
-        }
-        pipe.hset(key, mapping=beat)
-        pipe.expire(key, HEARTBEAT_TTL_S)
+        beat = heartbeat.SchedulerBeat(
+            num_running=len(self.core.running),
+            num_waiting=len(self.core.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_total_blocks,
+        )
+        heartbeat.beat(pipe, self.keys, self.worker_id, beat)
 
     def _committed(self) -> None:
         for seq in self._outbox.values():
@@ -325,3 +307,26 @@ class SchedulerLoop:
             bm.num_total_blocks,
         )
         self._stats = (now, 0)
+
+
+def token_entry(seq: Sequence) -> protocol.TokenEntry:
+    """What `seq` has not published yet, as one wire entry: its new ids from `seq`
+    num_published on, their logprobs, and with the first entry its detokenizer params and
+    prompt logprobs; with the last, its finish and embedding."""
+    new_ids = seq.unpublished_ids()
+    lp, first = seq.logprobs, seq.num_published
+    # Prompt logprobs ride on the first entry that carries tokens (or the finish).
+    first_out = first == 0 and bool(new_ids or seq.finish)
+    return protocol.TokenEntry(
+        rid=seq.rid,
+        epoch=seq.epoch,
+        seq=first,
+        token_ids=new_ids,
+        prompt_tokens=seq.num_prompt_tokens,
+        finish=seq.finish,
+        cached_tokens=seq.num_cached_tokens,
+        detok=seq.detok if first == 0 else None,
+        output_logprobs=lp.output_slice(first, first + len(new_ids)) if lp else None,
+        input_logprobs=lp.input if lp and first_out else None,
+        embedding=seq.embedding if seq.is_finished else None,
+    )

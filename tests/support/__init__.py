@@ -1,0 +1,1 @@
+"""Helpers shared by the test layers (tests import these, never each other)."""

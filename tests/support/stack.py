@@ -1,0 +1,59 @@
+"""The real stack as the e2e tests hold it: the tiers' processes, their settings and logs,
+and waiting until it serves (api /health and the scheduler's heartbeat)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from shared.config import Settings
+from shared.keys import Keys
+
+STARTUP_TIMEOUT_S = 180
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    procs: dict[str, subprocess.Popen[bytes]]
+    log_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.api.port}"
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.settings.key_prefix)
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
+
+
+def wait_ready(stack: Stack) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    r = stack.redis()
+    beat = stack.keys.heartbeat("scheduler", stack.settings.scheduler.worker_id)
+    while time.monotonic() < deadline:
+        dead = {t: p.returncode for t, p in stack.procs.items() if p.poll() is not None}
+        if dead:
+            raise RuntimeError(f"tiers exited early: {dead}\n{stack.logs()}")
+        try:
+            with urllib.request.urlopen(stack.base_url + "/health", timeout=1) as resp:
+                if resp.status == 200 and r.exists(beat):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"stack not ready in {STARTUP_TIMEOUT_S}s\n{stack.logs()}")

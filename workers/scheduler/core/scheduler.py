@@ -1,0 +1,246 @@
+"""The scheduler core: which sequences run in the next model step, and when each one ends.
+
+Pure Python (no torch, no redis), driven by plain calls from the loop:
+`add` → `schedule` → (model runner) → `postprocess`, with `abort` between steps.
+Continuous batching: new sequences join and finished ones leave between any two steps.
+
+One step mixes prefill and decode under one token budget (`max_num_batched_tokens`, as in
+vLLM v1): running sequences first, in arrival order, each with its next token or the next
+chunk of its prompt, then waiting sequences while budget, `max_num_seqs` and KV blocks last.
+A long prompt is thus prefilled in chunks between decode steps, and a running stream waits
+at most one step of at most `max_num_batched_tokens` tokens for its next token. A sequence
+samples only in the step that reaches its last token. A new sequence skips the part of its
+prompt found in the prefix cache (block_manager.py). When the blocks run out, the newest
+running sequences are preempted: they give their blocks back (which stay cached) and are
+recomputed from their tokens later, and no waiting sequence starts in that step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from shared.protocol import FinishReason
+from workers.scheduler.core.block_manager import BlockManager
+from workers.scheduler.core.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+DecodeTail = Callable[[list[int]], str]
+
+ABORTED = FinishReason(type="abort", message="Abort requested.")
+EMBEDDED = FinishReason(type="length", length=0)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_kv_blocks: int
+    vocab_size: int
+    max_model_len: int  # prompt + output tokens of one sequence
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # tokens computed in one step (the chunk size too)
+    enable_prefix_caching: bool = True
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+def _bad_request(message: str) -> FinishReason:
+    return FinishReason(type="abort", message=message, status_code=400)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, decode_tail: DecodeTail) -> None:
+        """`decode_tail(ids)` turns a few output ids into text for the stop-string check."""
+        self.config = config
+        self.decode_tail = decode_tail
+        assert config.max_num_batched_tokens > 0
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        # One sequence can never outgrow the whole cache.
+        self.max_model_len = min(config.max_model_len, config.num_kv_blocks * config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    # -- admission -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> FinishReason | None:
+        """Queue `seq`, or return why it ends right away (a bad request, or nothing to do)."""
+        reason = self._check(seq)
+        if reason is not None:
+            seq.status, seq.finish = SequenceStatus.FINISHED, reason
+            return reason
+        self.waiting.append(seq)
+        return None
+
+    def _check(self, seq: Sequence) -> FinishReason | None:
+        n = seq.num_prompt_tokens
+        if n == 0:
+            return _bad_request("The input is empty.")
+        if n > self.max_model_len or (n == self.max_model_len and not seq.embed):
+            return _bad_request(
+                f"The input ({n} tokens) is longer than the model's context length "
+                f"({self.max_model_len} tokens)."
+            )
+        sp, lp = seq.sampling, seq.logprobs
+        # Ids the sampler indexes with too: an out-of-vocabulary one would fail the batch.
+        other_ids = [*sp.stop_token_ids, *sp.logit_bias, *(lp.request.token_ids if lp else [])]
+        bad_ids = [t for t in seq.token_ids + other_ids if not 0 <= t < self.config.vocab_size]
+        if bad_ids:
+            return _bad_request(
+                f"Token id {bad_ids[0]} is out of vocabulary (vocab size {self.config.vocab_size})."
+            )
+        if seq.sampling.max_new_tokens < 0:
+            return _bad_request("max_new_tokens must be at least 0.")
+        if seq.sampling.max_new_tokens == 0 and not seq.embed:
+            return FinishReason(type="length", length=0)
+        return None
+
+    def num_free_slots(self) -> int:
+        """How many more sequences to take in now: bounded by max_num_seqs and by the free
+        KV blocks not already promised to waiting sequences (each new one needs one or more)."""
+        bm = self.block_manager
+        seq_room = self.config.max_num_seqs - len(self.waiting) - len(self.running)
+        promised = sum(bm.num_blocks_for(len(seq)) for seq in self.waiting)
+        return max(0, min(seq_room, bm.num_free_blocks - promised))
+
+    @property
+    def unfinished(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- stepping --------------------------------------------------------------------------
+    def schedule(self) -> list[Sequence]:
+        """The sequences of the next model step, each with its `num_new_tokens` set."""
+        budget = self.config.max_num_batched_tokens
+        num_running = len(self.running)
+        scheduled = self._schedule_running(budget)
+        budget -= sum(seq.num_new_tokens for seq in scheduled)
+        if len(self.running) == num_running:  # nothing was preempted: room for newcomers
+            scheduled += self._schedule_waiting(budget)
+        return scheduled
+
+    def _schedule_running(self, budget: int) -> list[Sequence]:
+        """A decode token or the next prompt chunk of each running sequence, in order, while
+        the budget lasts; preempts the newest ones when the blocks run out."""
+        scheduled: list[Sequence] = []
+        while len(scheduled) < len(self.running) and budget > 0:
+            seq = self.running[len(scheduled)]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + num_new):
+                break
+            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+            seq.num_new_tokens = num_new
+            budget -= num_new
+            scheduled.append(seq)
+        return scheduled
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Preempt the newest running sequences until `seq` can hold `num_tokens` tokens;
+        False if `seq` itself had to go."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, budget: int) -> list[Sequence]:
+        """Start waiting sequences in order (their cached prefix, then a first chunk) while
+        the budget, max_num_seqs and the free blocks allow."""
+        bm = self.block_manager
+        scheduled: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            bm.allocate_cached_prefix(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
+                bm.deallocate(seq)
+                break
+            bm.allocate(seq, seq.num_computed_tokens + num_new)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.num_new_tokens = num_new
+            budget -= num_new
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+            scheduled.append(seq)
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        logger.info("rid=%s preempted (KV cache full) at %d tokens", seq.rid, len(seq))
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Mark each sequence's new tokens computed (caching its newly full blocks), then
+        append the sampled token of each that reached its end — `token_ids` has one per
+        `seq.will_sample`, in order; finish, free and return those that are done."""
+        samplers = [seq for seq in seqs if seq.will_sample]
+        for seq in seqs:
+            computed_before = seq.num_computed_tokens
+            seq.num_computed_tokens += seq.num_new_tokens
+            seq.num_new_tokens = 0
+            self.block_manager.cache_blocks(seq, computed_before)
+        finished = []
+        for seq, token_id in zip(samplers, token_ids, strict=True):
+            if seq.embed:  # its prefill is its whole job: the runner set seq.embedding
+                self._finish(seq, EMBEDDED)
+                finished.append(seq)
+                continue
+            seq.append_token(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        # SGLang's order: the length budget first, then stop tokens, then stop strings.
+        sp = seq.sampling
+        if seq.num_completion_tokens >= sp.max_new_tokens:
+            return FinishReason(type="length", length=sp.max_new_tokens)
+        if token_id in sp.stop_token_ids or (
+            not sp.ignore_eos and token_id in self.config.eos_token_ids
+        ):
+            return FinishReason(type="stop", matched=token_id)
+        # Before min_new_tokens no stop string ends it either (SGLang; the sampler masks eos
+        # and stop_token_ids until then).
+        if sp.stop and seq.num_completion_tokens >= sp.min_new_tokens:
+            matched = self._matched_stop(seq)
+            if matched is not None:
+                return FinishReason(type="stop", matched=matched)
+        if len(seq) >= self.max_model_len:
+            return FinishReason(type="length", length=seq.num_completion_tokens)
+        return None
+
+    def _matched_stop(self, seq: Sequence) -> str | None:
+        # A stop string of n characters spans at most n tokens; one more covers a token that
+        # only partly belongs to it. Any match must involve the newest token (else it had
+        # matched a step earlier), so a short tail suffices.
+        window = max(len(s) for s in seq.sampling.stop) + 1
+        tail = self.decode_tail(seq.output_ids[-window:])
+        return next((s for s in seq.sampling.stop if s and s in tail), None)
+
+    # -- leaving ---------------------------------------------------------------------------
+    def abort(self, rids: Iterable[str]) -> list[Sequence]:
+        """Drop the sequences of `rids` that are here and free their blocks now."""
+        wanted = set(rids)
+        aborted = [seq for seq in self.unfinished if seq.rid in wanted]
+        for seq in aborted:
+            queue = self.waiting if seq.status == SequenceStatus.WAITING else self.running
+            queue.remove(seq)
+            self.block_manager.deallocate(seq)
+            seq.status, seq.finish = SequenceStatus.FINISHED, ABORTED
+        return aborted
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status, seq.finish = SequenceStatus.FINISHED, reason
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)

@@ -1,0 +1,95 @@
+"""One request inside the scheduler: its token ids, KV blocks and publishing progress.
+
+Pure Python (no torch, no redis): the core, the loop and the model runner all read it.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from shared.protocol import DetokParams, FinishReason, LogprobRequest, SamplingParams
+from workers.scheduler.core.logprob_state import LogprobState
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        epoch: int = 1,
+        entry_id: bytes = b"",
+        detok: DetokParams | None = None,
+        logprobs: LogprobRequest | None = None,
+        embed: bool = False,
+    ) -> None:
+        self.rid = rid
+        self.status = SequenceStatus.WAITING
+        # Prompt followed by the output. A step computes the K/V of `num_new_tokens` of them
+        # from `num_computed_tokens` on: prefill chunks, or a decode's last token; a
+        # recompute after preemption starts again from 0 (or from a cached prefix).
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.sampling = sampling
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix hash of each full block of token_ids
+        self.num_computed_tokens = 0  # tokens whose K/V is in the cache
+        self.num_new_tokens = 0  # tokens the scheduled step computes
+        # Prompt tokens that the first prefill found in the prefix cache (reported).
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.epoch = epoch
+        self.entry_id = entry_id  # the stream entry to ack once the request finished
+        self.detok = detok
+        # How many output ids already went out on the token channel (the next entry's seq).
+        self.num_published = 0
+        self.finish: FinishReason | None = None
+        # Outputs besides the token ids (filled by the model runner).
+        self.logprobs = LogprobState(logprobs, len(prompt_ids)) if logprobs else None
+        self.embed = embed  # an embedding job: one prefill, no output tokens
+        self.embedding: list[float] | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return f"Sequence(rid={self.rid!r}, tokens={len(self)}, status={self.status.name})"
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def will_sample(self) -> bool:
+        """Whether the scheduled step reaches the last token, so it samples the next one
+        (a prefill chunk that stops short of the end does not)."""
+        return self.num_new_tokens > 0 and self.num_new_tokens == self.num_uncomputed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def unpublished_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens + self.num_published :]
