@@ -1,7 +1,7 @@
 """One `Settings` for every process (env prefix `REDSERVE_`, nested with `__`).
 
-This is the only module that reads the environment. CLI flags map onto these fields
-(see `redserve --help`).
+This is the only module that reads the environment. CLI flags map onto these fields, each
+tier's subcommand taking its own section's flags and the top-level ones it reads (redserve/cli.py).
 """
 
 from __future__ import annotations
@@ -66,29 +66,27 @@ class SchedulerSettings(_Checked):
     # "auto": bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32 (the exact
     # reference, matching HF fp32 greedy outputs token for token).
     dtype: str = "auto"
-    # "int4": int4 copies of the decoder's projections and an int8 LM head beside the dense
-    # weights (CPU); each step size takes whichever was timed fastest at load, so
-    # small-batch decodes go compact: single-stream decode 1.4-2x faster (bench/README.md).
-    # "w8a8_int8": the same plus int8 x int8 for qkv/o/gate_up and the head (activations
-    # quantized per token at run time, calibrated at load), which wins from ~16 tokens a
-    # step up to whole prefill chunks where the CPU has VNNI (Ice Lake and newer).
-    # Accuracy, and why opt-in: quantization.py.
+    # CPU only. "int4": int4 copies of the decoder's projections and an int8 LM head beside
+    # the dense weights; each step size takes whichever kernel was timed fastest at load, so
+    # small decode steps read fewer bytes. "w8a8_int8": the same plus int8 x int8 (activations
+    # quantized per token, outlier channels calibrated at load) as one more kernel to time.
+    # Opt-in: a request's tokens can then depend on its batch. Measured: bench/README.md.
     quantization: Quantization = "none"
     # SGLang's flags and default max bs: decode steps of up to torch_compile_max_bs
-    # sequences run a torch.compile'd forward (workers/scheduler/compiled.py), compiled at
-    # start (a graph for 1 sequence, one per quantization route range above: 1-2.5 minutes
-    # on 2 cores; needs g++). Single-stream decode steps 15-40% shorter, 10-15% at 16-64
-    # sequences (bench/README.md). Off by default: the startup cost, and it needs a compiler.
+    # sequences run a torch.compile'd forward, compiled at start (a graph for one sequence and
+    # a dynamic batch beside it, one more per range where the quantized kernels change) so no
+    # request waits on the compiler. Off by default: it costs minutes of start-up, needs g++,
+    # and Inductor's float sums can flip a greedy near-tie against eager (the exact reference).
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = Field(default=32, ge=1)
     # SGLang's flags: on CUDA, decode steps of up to cuda_graph_max_bs sequences (and at most
-    # max_num_seqs) replay CUDA graphs recorded at start (workers/scheduler/cuda_graphs.py);
-    # on by default there, as in SGLang and vLLM. No effect on CPU.
+    # max_num_seqs) replay CUDA graphs recorded at start, which removes the per-op launch
+    # cost; on by default there, as in SGLang and vLLM. No effect on CPU.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = Field(default=64, ge=1)
     # "bfloat16" stores K/V in bf16 under an fp32 model: half the cache's memory and half
-    # what decode attention reads per step, for rounding K/V to bf16 (not exact: fp32 with
-    # "auto" stays the reference). What it costs and saves: workers/scheduler/model_runner.py.
+    # what decode attention reads per step, for rounding K/V to bf16 (not exact, so opt-in:
+    # fp32 with "auto" stays the reference).
     kv_cache_dtype: KvCacheDtype = "auto"
     block_size: int = Field(default=16, ge=1)
     # The KV cache takes kv_memory_fraction of the memory available once the weights are
@@ -102,9 +100,8 @@ class SchedulerSettings(_Checked):
     max_num_seqs: int = Field(default=64, ge=1)
     # Tokens computed in one step, decodes and prefill chunks together: a running stream
     # waits at most one such step for its next token while long prompts are prefilled.
-    # Measured through the whole stack on 2 CPU cores (bf16, 128 in / 128 out, bench/README.md):
-    # 2048 beat 512 at concurrency 16 (205 vs 198 tok/s, ITL p99 118 vs 159 ms) and 64
-    # (187 vs 140 tok/s, ITL p50 217 vs 524 ms): fewer, larger prefill chunks cost less.
+    # Larger budgets prefill arrivals in fewer, larger chunks, which cost less per token;
+    # smaller ones bound a running stream's wait more tightly (2048 vs 512: bench/README.md).
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     num_threads: int = Field(default=0, ge=0)  # 0 = torch default
     # Block for new jobs at most this long when idle.
