@@ -1,64 +1,22 @@
-"""Logprobs: collected per request as the engine's entries arrive (LogprobLog), and shaped
-for the client: SGLang's meta_info `(logprob, token_id, text|None)` lists, OpenAI's completion
-`logprobs` {tokens, token_logprobs, top_logprobs, text_offset} and chat `logprobs.content`.
-The engine computes the values; a non-finite one (a -inf logprob) becomes null (SGLang) or
--9999.0 (OpenAI chat, whose schema has no null)."""
+"""Logprobs shaped for the client (collected per request by logprob_log.LogprobLog):
+SGLang's meta_info `(logprob, token_id, text|None)` lists, OpenAI's completion `logprobs`
+{tokens, token_logprobs, top_logprobs, text_offset} and chat `logprobs.content`. The engine
+computes the values; a non-finite one (a -inf logprob) becomes null (SGLang) or -9999.0
+(OpenAI chat, whose schema has no null)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
+from api.logprob_log import LogprobLog, Value, align_end, finite
 from shared import protocol
 
 if TYPE_CHECKING:
     from api.req_state import ReqOutput
 
-T = TypeVar("T")
 TokenTexts = Callable[[Sequence[int]], list[str]]
-Value = float | None
 OPENAI_MIN_LOGPROB = -9999.0
-
-
-def _finite(value: float) -> Value:
-    return value if math.isfinite(value) else None
-
-
-def _fit(values: Sequence[T], n: int, fill: T) -> list[T]:
-    """`values` cut or padded (at the end) to n positions."""
-    out = list(values[:n])
-    out.extend([fill] * (n - len(out)))
-    return out
-
-
-def _align_end(values: Sequence[T], n: int, fill: T) -> list[T]:
-    """The last n of `values`, padded at the front: prompt logprobs run to the prompt's end,
-    and the first prompt position has none."""
-    out = list(values[-n:]) if n else []
-    return [fill] * (n - len(out)) + out
-
-
-class LogprobLog:
-    """Output logprobs of one request, one position per output id (appended by the listener),
-    and its prompt logprobs (from the first entry)."""
-
-    def __init__(self) -> None:
-        self.values: list[Value] = []
-        self.top_ids: list[list[int]] = []
-        self.top_values: list[list[Value]] = []
-        self.requested: list[list[Value]] = []
-        self.input: protocol.Logprobs | None = None
-
-    def extend(self, lp: protocol.Logprobs | None, n: int) -> None:
-        """Add n positions; missing data (an engine that sent less) becomes nulls."""
-        lp = lp or protocol.Logprobs()
-        self.values.extend(_fit([_finite(v) for v in lp.token_logprobs[:n]], n, None))
-        self.top_ids.extend(_fit(lp.top_ids, n, []))
-        tops = [[_finite(v) for v in row] for row in lp.top_logprobs[:n]]
-        self.top_values.extend(_fit(tops, n, []))
-        req = [[_finite(v) for v in row] for row in lp.requested_logprobs[:n]]
-        self.requested.extend(_fit(req, n, []))
 
 
 def needed_token_ids(out: ReqOutput) -> list[int]:
@@ -134,20 +92,17 @@ def _input_fields(
     ids = out.req.input_ids[lr.start_len :]
     n = len(ids)
     data = log.input or protocol.Logprobs()
-    values = _align_end([_finite(v) for v in data.token_logprobs], n, None)
+    values = align_end([finite(v) for v in data.token_logprobs], n, None)
     fields: dict[str, Any] = {"input_token_logprobs": _tuples(values, ids, shown)}
     if lr.top_n > 0:
-        rows = zip(
-            _align_end(data.top_logprobs, n, []), _align_end(data.top_ids, n, []), strict=True
-        )
+        rows = zip(align_end(data.top_logprobs, n, []), align_end(data.top_ids, n, []), strict=True)
         fields["input_top_logprobs"] = [
-            _tuples([_finite(v) for v in vals], tids, shown) if tids else None
-            for vals, tids in rows
+            _tuples([finite(v) for v in vals], tids, shown) if tids else None for vals, tids in rows
         ]
     if lr.token_ids:
         fields["input_token_ids_logprobs"] = [
-            _tuples([_finite(v) for v in vals], lr.token_ids, shown) if vals else None
-            for vals in _align_end(data.requested_logprobs, n, [])
+            _tuples([finite(v) for v in vals], lr.token_ids, shown) if vals else None
+            for vals in align_end(data.requested_logprobs, n, [])
         ]
     return fields
 

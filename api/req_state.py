@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.logprobs import LogprobLog
+from api.logprob_log import LogprobLog
 from shared import protocol
 
 logger = logging.getLogger(__name__)
