@@ -20,32 +20,17 @@ from api.schemas.common import (
     reject_present,
 )
 from api.schemas.openai import ChatMessage
+from api.schemas.sampling import SamplingFields
 
 _UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
 _UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "audio_data", "video_data", "lora_path")
 
 
-class SamplingParamsIn(RequestBody):
-    """SGLang's SamplingParams; None means "the default" like SGLang."""
+class SamplingParamsIn(SamplingFields):
+    """SGLang's SamplingParams."""
 
     max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
     min_new_tokens: int | None = None
-    n: int | None = None
-    logit_bias: dict[str, float] | None = None
-    stop: OneOrList[SafeStr] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
-    seed: Int64 | None = None
     sampling_seed: Int64 | None = None
     # Accepted and ignored: a streaming cadence hint.
     stream_interval: int | None = None
@@ -62,21 +47,8 @@ class SamplingParamsIn(RequestBody):
         return self
 
     def sampling_in(self) -> SamplingIn:
-        return SamplingIn(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
-            min_new_tokens=self.min_new_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            seed=self.seed if self.seed is not None else self.sampling_seed,
-            logit_bias=self.logit_bias,
-        )
+        seed = self.seed if self.seed is not None else self.sampling_seed
+        return self._sampling_in(self.min_new_tokens, seed)
 
 
 class TextOnlyInput(RequestBody):

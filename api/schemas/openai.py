@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from api.sampling import SamplingIn
 from api.schemas.common import (
     EmbedInput,
-    Int64,
     OneOrList,
     PromptInput,
     RequestBody,
@@ -19,6 +18,7 @@ from api.schemas.common import (
     reject_present,
     reject_unsupported,
 )
+from api.schemas.sampling import SamplingFields
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (1,)}
 
@@ -30,32 +30,15 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class OpenAISamplingRequest(RequestBody):
+class OpenAISamplingRequest(SamplingFields):
     """Fields common to completions and chat completions."""
 
     model: SafeStr | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
-    stop: OneOrList[SafeStr] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    seed: Int64 | None = None
     user: SafeStr | None = None
     rid: Rid | None = None
-    # SGLang / vLLM extras.
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
     # Accepted only at its neutral value.
     best_of: int | None = None
 
@@ -75,21 +58,7 @@ class OpenAISamplingRequest(RequestBody):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_in(self) -> SamplingIn:
-        return SamplingIn(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
-            min_new_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            seed=self.seed,
-            logit_bias=self.logit_bias,
-        )
+        return self._sampling_in(self.min_tokens, self.seed)
 
 
 class CompletionRequest(OpenAISamplingRequest):

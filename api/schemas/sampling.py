@@ -1,0 +1,38 @@
+"""The sampling fields that the native (`sampling_params`) and the OpenAI bodies share, under
+the names both use (SGLang's; OpenAI's where it has them, the rest as SGLang's and vLLM's
+extras). Each API adds its own: max_new_tokens / max_tokens, min_new_tokens / min_tokens, ..."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from api.sampling import SamplingIn
+from api.schemas.common import Int64, OneOrList, RequestBody, SafeStr
+
+
+class SamplingFields(RequestBody):
+    """None means "the default", as in SGLang."""
+
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: OneOrList[SafeStr] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    seed: Int64 | None = None
+    # Detokenization (the detokenizer's params, not the engine's).
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+
+    def _sampling_in(self, min_new_tokens: int | None, seed: int | None) -> SamplingIn:
+        """The fields as sent, for api.sampling's checks and defaults."""
+        own = ("min_new_tokens", "seed")  # each API names these its own way
+        shared = {f.name: getattr(self, f.name) for f in fields(SamplingIn) if f.name not in own}
+        return SamplingIn(**shared, min_new_tokens=min_new_tokens, seed=seed)
