@@ -3,16 +3,14 @@ i*n+j answers prompt i), logprobs, SSE with include_usage / continuous_usage_sta
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
-
 from fastapi import Request, Response
 
-from api import sse
 from api.deps import TokenizerManagerDep
-from api.inputs import completion_reqs, matched_stop, openai_finish_reason, raise_for_error
+from api.inputs import completion_reqs, matched_stop, openai_finish_reason
 from api.logprobs import completion_logprobs
 from api.req_state import ReqOutput
-from api.routes.common import OpenAIHead, collect, make_router, stream_outputs, usage_of
+from api.routes.common import OpenAIHead, make_router, usage_of
+from api.routes.respond import respond
 from api.schemas.openai import (
     CompletionChoice,
     CompletionLogprobs,
@@ -35,15 +33,9 @@ async def create_completion(
     n = body.n or 1  # checked by completion_reqs
     outputs = await tm.generate(reqs, request)
     head = OpenAIHead(id=f"cmpl-{base}", model=tm.model.served_model_name)
-    if body.stream:
-        return sse.response(_stream(outputs, head, body, tm, n))
-    results = await collect(outputs)
-    raise_for_error(results)
-    response = CompletionResponse(
-        id=head.id,
-        created=head.created,
-        model=head.model,
-        choices=[
+
+    def answer(results: list[ReqOutput]) -> CompletionResponse:
+        choices = [
             CompletionChoice(
                 index=out.index,
                 text=out.text,
@@ -52,10 +44,24 @@ async def create_completion(
                 matched_stop=matched_stop(out),
             )
             for out in results
-        ],
-        usage=usage_of(results, n),
-    )
-    return Response(response.model_dump_json(), media_type="application/json")
+        ]
+        usage = usage_of(results, n)
+        return CompletionResponse(
+            id=head.id, created=head.created, model=head.model, choices=choices, usage=usage
+        )
+
+    offsets: dict[int, int] = {}  # per choice: text offset of its next token
+
+    def stream_choice(out: ReqOutput) -> CompletionStreamChoice:
+        logprobs, offsets[out.index] = _logprobs(out, tm, out.start, offsets.get(out.index, 0))
+        return CompletionStreamChoice(
+            index=out.index,
+            text=out.delta,
+            logprobs=logprobs,
+            finish_reason=openai_finish_reason(out),
+        )
+
+    return await respond(outputs, body, n, answer, stream_choice, CompletionStreamResponse, head)
 
 
 def _logprobs(
@@ -65,45 +71,3 @@ def _logprobs(
         return None, offset
     body, offset = completion_logprobs(out, tm.tok.token_texts, start, offset)
     return CompletionLogprobs(**body), offset
-
-
-async def _stream(
-    outputs: AsyncGenerator[ReqOutput, None],
-    head: OpenAIHead,
-    body: CompletionRequest,
-    tm: TokenizerManager,
-    n: int,
-) -> AsyncIterator[bytes]:
-    latest: dict[int, ReqOutput] = {}  # per choice, for usage
-    offsets: dict[int, int] = {}  # per choice: text offset of its next token
-    async for out in stream_outputs(outputs):
-        latest[out.index] = out
-        if not out.delta and not out.finished and (out.logprobs is None or out.start == out.end):
-            continue
-        logprobs, offsets[out.index] = _logprobs(out, tm, out.start, offsets.get(out.index, 0))
-        chunk = CompletionStreamResponse(
-            id=head.id,
-            created=head.created,
-            model=head.model,
-            choices=[
-                CompletionStreamChoice(
-                    index=out.index,
-                    text=out.delta,
-                    logprobs=logprobs,
-                    finish_reason=openai_finish_reason(out),
-                )
-            ],
-        )
-        if body.continuous_usage:
-            chunk.usage = usage_of(list(latest.values()), n)
-        yield sse.event(chunk.model_dump_json())
-    if body.include_usage:
-        final = CompletionStreamResponse(
-            id=head.id,
-            created=head.created,
-            model=head.model,
-            choices=[],
-            usage=usage_of(list(latest.values()), n),
-        )
-        yield sse.event(final.model_dump_json())
-    yield sse.DONE
