@@ -194,11 +194,11 @@ class TokenizerManager:
                 job.rid, len(job.input_ids), job.sampling.max_new_tokens, job.embed,
             )  # fmt: skip
 
-    async def request_info(self, rid: str) -> dict[str, str]:
-        """The durable state of `rid` (any replica's request) from Redis; {} if unknown."""
+    async def request_info(self, rid: str) -> protocol.RequestState | None:
+        """The durable state of `rid` (any replica's request) from Redis; None if unknown."""
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                return await request_state.get(self.redis, self.keys, rid)
+                return await request_state.read(self.redis, self.keys, rid)
         except (RedisError, OSError, TimeoutError) as e:
             raise ServiceUnavailable("Redis is unavailable.") from e
 

@@ -170,3 +170,20 @@ def decode(data: bytes, kind: Any) -> Any:
     if msg.v > PROTOCOL_VERSION:
         raise ProtocolVersionError(f"protocol v{msg.v} is newer than v{PROTOCOL_VERSION}")
     return msg
+
+
+class RequestState(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The request-state hash `state:{rid}` (not a message: each field is a hash field,
+    written as text by shared.request_state, which also decodes it). A field is None until
+    its writer set it: the api at submit, the scheduler when it admits, then at finish."""
+
+    status: str  # queued | running | finished | aborted
+    api_id: str | None = None  # the api replica that holds the client
+    worker: str | None = None  # the scheduler that runs it
+    epoch: int | None = None  # the owner's fencing token
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: FinishReason | None = None  # JSON in the hash
+    created_at: float | None = None  # unix time
+    finished_at: float | None = None

@@ -3,9 +3,9 @@
 Request ids are unique fleet-wide: the api claims `rid:{rid}` (SET NX) before it creates any
 state, and releases the claim when the request ends.
 
-State hash fields (all strings): status (queued|running|finished|aborted), api_id, worker,
-epoch, prompt_tokens, completion_tokens, cached_tokens, finish_reason (JSON), created_at,
-finished_at. Live requests carry a long TTL; finished ones a short one (keys.STATE_TTL_S).
+The state hash's fields are `protocol.RequestState`'s: written here through `_fields` (text,
+the finish reason as JSON) and decoded here by `read`. Live requests carry a long TTL;
+finished ones a short one (keys.STATE_TTL_S).
 """
 
 from __future__ import annotations
@@ -38,23 +38,35 @@ def release(pipe: Pipe, keys: Keys, finished: Iterable[str], aborted: Iterable[s
         pipe.expire(keys.rid_claim(rid), ABORT_TTL_S)
 
 
+_STATE_FIELDS = frozenset(protocol.RequestState.__struct_fields__)
+
+
+def _fields(**values: str | int | float | protocol.FinishReason) -> dict[str, str | int | float]:
+    """`values` as hash fields: names checked against RequestState, the finish reason JSON."""
+    unknown = set(values) - _STATE_FIELDS
+    assert not unknown, f"not RequestState fields: {unknown}"
+    return {
+        name: msgspec.json.encode(v).decode() if isinstance(v, protocol.FinishReason) else v
+        for name, v in values.items()
+    }
+
+
 def create(pipe: Pipe, keys: Keys, rid: str, api_id: str, prompt_tokens: int) -> None:
     key = keys.state(rid)
-    pipe.hset(
-        key,
-        mapping={
-            "status": "queued",
-            "api_id": api_id,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": 0,
-            "created_at": time.time(),
-        },
+    mapping = _fields(
+        status="queued",
+        api_id=api_id,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=0,
+        created_at=time.time(),
     )
+    pipe.hset(key, mapping=mapping)
     pipe.expire(key, LIVE_STATE_TTL_S)
 
 
 def mark_running(pipe: Pipe, keys: Keys, rid: str, worker: str, epoch: int) -> None:
-    pipe.hset(keys.state(rid), mapping={"status": "running", "worker": worker, "epoch": epoch})
+    mapping = _fields(status="running", worker=worker, epoch=epoch)
+    pipe.hset(keys.state(rid), mapping=mapping)
 
 
 def append_ids(pipe: Pipe, keys: Keys, rid: str, token_ids: list[int]) -> None:
@@ -72,17 +84,14 @@ def finish(
     completion_tokens: int,
     cached_tokens: int = 0,
 ) -> None:
-    status = "aborted" if reason.type == "abort" else "finished"
-    pipe.hset(
-        keys.state(rid),
-        mapping={
-            "status": status,
-            "finish_reason": msgspec.json.encode(reason),
-            "completion_tokens": completion_tokens,
-            "cached_tokens": cached_tokens,
-            "finished_at": time.time(),
-        },
+    mapping = _fields(
+        status="aborted" if reason.type == "abort" else "finished",
+        finish_reason=reason,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+        finished_at=time.time(),
     )
+    pipe.hset(keys.state(rid), mapping=mapping)
     pipe.expire(keys.state(rid), STATE_TTL_S)
     pipe.expire(keys.ids(rid), STATE_TTL_S)
 
@@ -102,5 +111,21 @@ def query_aborted(pipe: Pipe, keys: Keys, rids: list[str]) -> None:
 
 
 async def get(r: aioredis.Redis, keys: Keys, rid: str) -> dict[str, str]:
+    """The hash as stored (text), {} if there is none; `read` decodes it."""
     raw: dict[bytes, bytes] = await r.hgetall(keys.state(rid))  # type: ignore[misc]
     return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+async def read(r: aioredis.Redis, keys: Keys, rid: str) -> protocol.RequestState | None:
+    """The request's state, decoded; None if there is none (unknown rid, or expired)."""
+    return decode(await get(r, keys, rid))
+
+
+def decode(stored: dict[str, str]) -> protocol.RequestState | None:
+    """A state hash as stored -> RequestState (fields it does not know are ignored)."""
+    if not stored:
+        return None
+    values: dict[str, object] = {k: v for k, v in stored.items() if k in _STATE_FIELDS}
+    if "finish_reason" in values:
+        values["finish_reason"] = msgspec.json.decode(stored["finish_reason"])
+    return msgspec.convert(values, protocol.RequestState, strict=False)

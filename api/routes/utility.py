@@ -3,8 +3,9 @@ state from Redis, whichever api replica holds it."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import msgspec
 
 from api.deps import TokenizerManagerDep
 from api.errors import BadRequest, NotFound
@@ -15,9 +16,6 @@ from api.tokenizer_manager import TokenizerManager
 from api.validation import check_chars, check_ids
 
 router = make_router("utility")
-
-_INT_FIELDS = ("epoch", "prompt_tokens", "completion_tokens", "cached_tokens")
-_FLOAT_FIELDS = ("created_at", "finished_at")
 
 
 @router.post("/tokenize")
@@ -88,13 +86,7 @@ async def get_request(rid: str, tm: TokenizerManagerDep) -> dict[str, Any]:
             param="rid",
             code="request_not_found",
         )
-    out: dict[str, Any] = {"id": rid, "object": "request", **info}
-    for name in _INT_FIELDS:
-        if name in info:
-            out[name] = int(info[name])
-    for name in _FLOAT_FIELDS:
-        if name in info:
-            out[name] = float(info[name])
-    out["finish_reason"] = json.loads(info["finish_reason"]) if "finish_reason" in info else None
+    out: dict[str, Any] = {"id": rid, "object": "request", **msgspec.to_builtins(info)}
+    out["finish_reason"] = info.finish_reason.to_dict() if info.finish_reason else None
     out["running_here"] = rid in tm.rid_to_state
     return out

@@ -139,7 +139,8 @@ class DetokenizerLoop:
         """Default params for requests seen without them (e.g. after an eviction or restart)."""
         found: dict[str, protocol.DetokParams] = {}
         for rid in rids:
-            api_id = (await request_state.get(self.redis, self.keys, rid)).get("api_id")
+            state = await request_state.read(self.redis, self.keys, rid)
+            api_id = state.api_id if state else None
             if api_id:
                 logger.info("rid=%s no detok params: default params, api_id=%s", rid, api_id)
                 found[rid] = protocol.DetokParams(api_id=api_id)
