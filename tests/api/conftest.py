@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import fakeredis
@@ -17,9 +17,8 @@ from fastapi import FastAPI
 from api.app import create_app
 from shared.config import ApiSettings, Settings
 from shared.keys import Keys
-from tests.api.backend import FakeBackend
-
-API_ID = "api-test"
+from tests.support.app import API_ID
+from tests.support.backend import FakeBackend
 
 
 @pytest.fixture(scope="session")
@@ -66,34 +65,3 @@ async def backend(
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await r.aclose()
-
-
-def with_api(settings: Settings, **update: Any) -> Settings:
-    """`settings` with some ApiSettings fields changed."""
-    return settings.model_copy(update={"api": settings.api.model_copy(update=update)})
-
-
-@contextlib.asynccontextmanager
-async def running_app(
-    settings: Settings, redis: aioredis.Redis, tokenizer: Any
-) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    """Another app (its lifespan running) and a client for it."""
-    app = create_app(settings, redis=redis, tokenizer=tokenizer)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            yield app, client
-
-
-async def wait_until(cond: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await cond():
-            await asyncio.sleep(0.01)
-
-
-def sse_events(body: str) -> list[str]:
-    """The `data:` payloads of an SSE body, checking the framing on the way."""
-    assert body.endswith("\n\n")
-    events = body.split("\n\n")[:-1]
-    assert all(e.startswith("data: ") for e in events), events
-    return [e.removeprefix("data: ") for e in events]

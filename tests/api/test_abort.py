@@ -16,9 +16,9 @@ from api.app import create_app
 from shared import protocol
 from shared.config import Settings
 from shared.keys import Keys
-from tests.api.asgi import ManualClient
-from tests.api.backend import FakeBackend
-from tests.api.conftest import wait_until
+from tests.support.asgi import ManualClient
+from tests.support.backend import FakeBackend
+from tests.support.waiting import wait_until
 
 
 async def test_abort_request(

@@ -14,8 +14,8 @@ from fastapi import FastAPI
 
 from redserve.cli import build_parser, settings_from_args
 from shared.config import Settings
-from tests.api.backend import FakeBackend
-from tests.api.conftest import running_app, with_api
+from tests.support.app import running_app, with_api
+from tests.support.backend import FakeBackend
 
 KEYS = ["first-key", "second-key"]
 

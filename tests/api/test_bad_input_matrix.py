@@ -17,8 +17,8 @@ from fastapi import FastAPI
 
 from shared.config import Settings
 from shared.keys import Keys
-from tests.api.backend import FakeBackend
-from tests.api.conftest import running_app, with_api
+from tests.support.app import running_app, with_api
+from tests.support.backend import FakeBackend
 
 CTX = 8192
 JSON = {"content-type": "application/json"}

@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 
 from api.batch_tokenizer import AsyncDynamicBatchTokenizer
 from shared.config import Settings
-from tests.api.backend import FakeBackend
-from tests.api.conftest import running_app
+from tests.support.app import running_app
+from tests.support.backend import FakeBackend
 
 WORDS = ["apple", "river", "Mountain", "qubit", "naïve café", "東京", "emoji 🎉", "x" * 40]
 

@@ -17,8 +17,9 @@ from fastapi import FastAPI
 
 from shared.config import Settings
 from shared.keys import ABORT_TTL_S, Keys
-from tests.api.backend import FakeBackend
-from tests.api.conftest import running_app, wait_until, with_api
+from tests.support.app import running_app, with_api
+from tests.support.backend import FakeBackend
+from tests.support.waiting import wait_until
 
 BODY = b'{"text": "hi", "sampling_params": {"max_new_tokens": 2}}'
 

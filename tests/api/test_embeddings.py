@@ -14,8 +14,8 @@ import pytest
 from fastapi import FastAPI
 
 from shared import protocol
-from tests.api.backend import FakeBackend, fake_embedding
-from tests.api.conftest import API_ID
+from tests.support.app import API_ID
+from tests.support.backend import FakeBackend, fake_embedding
 
 
 async def test_encode_single_and_batch(

@@ -11,8 +11,8 @@ from fastapi import FastAPI
 
 from shared import request_state
 from shared.keys import Keys
-from tests.api.backend import EOS_ID, FakeBackend
-from tests.api.conftest import API_ID, sse_events
+from tests.support.app import API_ID, sse_events
+from tests.support.backend import EOS_ID, FakeBackend
 
 
 def manager(app: FastAPI) -> Any:

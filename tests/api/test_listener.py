@@ -12,8 +12,8 @@ from fastapi import FastAPI
 
 from shared import protocol
 from shared.keys import Keys
-from tests.api.backend import FakeBackend
-from tests.api.conftest import API_ID, sse_events
+from tests.support.app import API_ID, sse_events
+from tests.support.backend import FakeBackend
 
 
 def entry(

@@ -18,9 +18,10 @@ from fastapi import FastAPI
 
 from shared.config import Settings
 from shared.keys import ABORT_TTL_S, Keys
-from tests.api.asgi import ManualClient
-from tests.api.backend import FakeBackend
-from tests.api.conftest import running_app, wait_until
+from tests.support.app import running_app
+from tests.support.asgi import ManualClient
+from tests.support.backend import FakeBackend
+from tests.support.waiting import wait_until
 
 NUM_REQUESTS = 500
 CONCURRENCY = 40

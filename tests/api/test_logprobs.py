@@ -14,8 +14,8 @@ import pytest
 from fastapi import FastAPI
 
 from shared import protocol
-from tests.api.backend import FakeBackend, fake_logprob, fake_top_ids
-from tests.api.conftest import API_ID, sse_events
+from tests.support.app import API_ID, sse_events
+from tests.support.backend import FakeBackend, fake_logprob, fake_top_ids
 
 PROMPT = "What is 2+2?"
 

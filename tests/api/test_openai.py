@@ -12,8 +12,8 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from tests.api.backend import FakeBackend
-from tests.api.conftest import sse_events
+from tests.support.app import sse_events
+from tests.support.backend import FakeBackend
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

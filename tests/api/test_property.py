@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from api.app import create_app
 from shared.config import Settings
-from tests.api.backend import FakeBackend
-from tests.api.conftest import sse_events, with_api
+from tests.support.app import sse_events, with_api
+from tests.support.backend import FakeBackend
 
 EXAMPLES_PER_ENDPOINT = 700
 WEIRD_STRINGS = [

@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 
 from api.routes.native import redact_url
 from shared.config import Settings
-from tests.api.backend import FakeBackend
-from tests.api.conftest import running_app, with_api
+from tests.support.app import running_app, with_api
+from tests.support.backend import FakeBackend
 
 
 async def test_tokenize(client: httpx.AsyncClient, tokenizer: Any) -> None:

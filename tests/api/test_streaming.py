@@ -14,8 +14,8 @@ import redis.asyncio as aioredis
 from api.req_state import GenerateReq, ReqState
 from shared import protocol
 from shared.config import Settings
-from tests.api.backend import FakeBackend
-from tests.api.conftest import running_app, sse_events, with_api
+from tests.support.app import running_app, sse_events, with_api
+from tests.support.backend import FakeBackend
 
 TEXTS = ["Hello", "Tell me a story", "Why is the sky blue?"]
 

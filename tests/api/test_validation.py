@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from shared.config import Settings
 from shared.keys import Keys
-from tests.api.backend import FakeBackend
+from tests.support.backend import FakeBackend
 
 CTX = 8192
 MSG = [{"role": "user", "content": "hi"}]

@@ -104,3 +104,13 @@ def test_pure_cores_reach_neither_torch_nor_redis() -> None:
             if roots:
                 broken[name] = sorted(roots)
     assert not broken
+
+
+def test_tests_share_helpers_only_through_tests_support() -> None:
+    borrowed = sorted(
+        (str(path.relative_to(ROOT)), target)
+        for path in (ROOT / "tests").rglob("*.py")
+        for target in _imported(path, _module_name(path))
+        if _under(target, "tests") and not _under(target, "tests.support")
+    )
+    assert not borrowed
