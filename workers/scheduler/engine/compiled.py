@@ -1,23 +1,21 @@
 """Decode steps through torch.compile (`--enable-torch-compile`, `--torch-compile-max-bs`, as
 SGLang names them).
 
-A decode step of a few sequences on 2 CPU cores is only partly its matmuls: eager PyTorch
-dispatches ~1,900 small ops per step of the default model (norms, RoPE, cache writes,
-views, SiLU): ~5 ms of a 15 ms int4 step on a Sapphire Rapids VM, ~20 ms of a 34 ms one
-on an AVX2 VM. Inductor fuses them into a few C++ loops per layer; the matmuls and attention
-stay torch's own kernels (the same packed int4/int8 and oneDNN calls as eager). On the AVX2
-VM: int4 steps 25.6 vs 33.9 ms, fp32 52.8 vs 61.9 (bench/README.md).
+A decode step of a few sequences on a few CPU cores is only partly its matmuls: eager
+PyTorch dispatches a small op at a time (norms, RoPE, cache writes, views, SiLU), dozens
+per layer, and their overhead is a large share of the step. Inductor fuses them into a few
+C++ loops per layer; the matmuls and attention stay torch's own kernels (the same packed
+int4/int8 and oneDNN calls as eager). Measured in bench/README.md.
 
 Two graphs for steps where every sequence brings one token (decodes): one for a single
 sequence (static shapes: the tightest loops, for the latency of a lone stream) and one for 2
-to `max_batch` sequences, the batch a dynamic dimension (one graph per size took 25-35 s of
-compiling each on 2 Zen 4 cores: half an hour for 64); the context length is dynamic in both.
-Where the step size picks a kernel (quantization's routes), dynamo guards on it and compiles
-a graph per route range. Prefill chunks, mixed steps and larger batches stay eager.
-Compiling takes tens of seconds per graph on 2 cores, so `warm_up` does it at load, before
-the scheduler takes jobs, running every size; a step that would still need a new graph
-afterwards runs eager instead: no request waits on the compiler. Needs a C++ compiler (g++)
-at run time.
+to `max_batch` sequences, the batch a dynamic dimension (a graph per size would take the
+compile time of one graph for every size up to `max_batch`); the context length is dynamic
+in both. Where the step size picks a kernel (quantization's routes), dynamo guards on it and
+compiles a graph per route range. Prefill chunks, mixed steps and larger batches stay eager.
+Compiling a graph is slow on a CPU, so `warm_up` does it at load, before the scheduler
+takes jobs, running every size; a step that would still need a new graph afterwards runs
+eager instead: no request waits on the compiler. Needs a C++ compiler (g++) at run time.
 
 Inductor's fused loops sum in another order than eager's kernels (hidden states within 1e-4,
 tests/model/test_compiled.py), so a greedy token can differ from eager's at a near-tie:

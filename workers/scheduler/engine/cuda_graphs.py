@@ -1,8 +1,8 @@
 """Decode steps replayed from CUDA graphs (SGLang's `--cuda-graph-max-bs` and
 `--disable-cuda-graph`).
 
-A decode step of a small model launches ~1,900 small kernels (norms, RoPE, cache writes,
-views, SiLU); on a GPU each launch costs microseconds of CPU time that the kernels do not
+A decode step of a small model launches many small kernels (norms, RoPE, cache writes,
+views, SiLU), dozens a layer; on a GPU each launch costs CPU time that the kernels do not
 hide, so eager decode at small batch is bound by the launches. A CUDA graph records a
 step's kernels once and replays them with one launch.
 

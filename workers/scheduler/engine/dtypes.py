@@ -13,8 +13,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def resolve_dtype(dtype: str, device: str) -> str:
     """`dtype`, or for "auto" the fastest one that is accurate enough: bfloat16 on CUDA and
-    on CPUs with native bf16 matmuls (AVX512-BF16 or AMX), else float32 (on 2 AVX512-BF16
-    cores bf16 decodes 1.4-2x faster; its accuracy: tests/model/test_bf16_tolerance.py)."""
+    on CPUs with native bf16 matmuls (AVX512-BF16 or AMX), else float32. On such CPUs a
+    decode step reads half the weight bytes, so bf16 decodes faster than fp32 (measured in
+    bench/README.md). Its accuracy: tests/model/test_bf16_tolerance.py."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r} (auto, {', '.join(DTYPES)})")
@@ -28,11 +29,9 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     """The KV cache's dtype: the model's for "auto"; bf16 for "bfloat16" (or "bf16"), where
     K/V are rounded to bf16 as they are stored and read back widened to the model's dtype.
     Under an fp32 model that halves the cache (twice the tokens in the same memory) and
-    what a decode step's attention reads: on 2 AVX2 cores, engine steps of 64 sequences
-    (contexts 128-256) 190 vs 216 ms with w8a8_int8 and 291 vs 366 ms with int4, the fp32
-    cache's attention having been ~37 ms of a 187 ms w8a8_int8 step (bench/README.md).
-    Against the fp32 cache, 160 teacher-forced predictions agree 160/160:
-    tests/model/test_kv_cache_dtype.py."""
+    what a decode step's attention reads, which at many sequences is a large share of a
+    step (measured in bench/README.md). Its predictions stay within the bounds that
+    tests/model/test_kv_cache_dtype.py sets against the fp32 cache (teacher-forced)."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype in ("bfloat16", "bf16"):

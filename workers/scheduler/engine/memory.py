@@ -49,10 +49,10 @@ def keep_freed_memory() -> bool:
     """Makes glibc's malloc keep freed memory for reuse instead of handing it back to the
     kernel; whether it could (False off glibc). A CPU step allocates and frees tens of MB of
     temporaries per layer (gathered K/V, their fp32 copies); with glibc's default, adaptive
-    thresholds they were unmapped or trimmed and faulted back in page by page: measured in
-    the full stack at 64 streams, 5.6M page faults per 10 s, a third of the CPU in the
-    kernel and 2x slower steps. Blocks up to 32 MiB now come from the heap, and up to
-    1 GiB of free heap is kept: the process holds its peak of temporaries."""
+    thresholds they are unmapped or trimmed and faulted back in page by page, so the
+    process spends much of its CPU in the kernel and steps run slower at many streams
+    (measured in bench/README.md). Blocks up to 32 MiB come from the heap, and up to 1 GiB
+    of free heap is kept: the process holds its peak of temporaries."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

@@ -48,8 +48,8 @@ from workers.scheduler.model.llama import Attention, LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 # Decode groups of at least this many sequences take `Attention._attend_matmuls` (where
-# `matmul_decodes`); per layer, 160-token contexts: 1 seq 61 vs 45 us for SDPA, 4 seqs 95 vs 89 us,
-# 16 seqs 178 vs 298 us, 64 seqs 0.9 vs 1.9 ms.
+# `matmul_decodes`): SDPA wins on a few sequences, the matmuls on many (measured in
+# bench/README.md).
 DECODE_MATMUL_MIN_SEQS = 8
 
 # Contexts are gathered as at least this many blocks (the padding masked): a 1-block
@@ -85,7 +85,7 @@ class TorchModelRunner:
         # fp32 keeps SDPA (the exact reference; quantized fp32 runners are timed at load),
         # and so does CUDA.
         self.matmul_decodes = self.device.type == "cpu" and weight.dtype != torch.float32
-        self.paged_decodes = False  # decode groups through paged_decode.py's kernel
+        self.paged_decodes = False  # decode groups through kernels/paged_decode.py's kernel
         self.matmul_prefill_max_context = 0  # prefill chunks' longest context for matmuls
         shape = (args.num_kv_heads, self.cache_blocks * block_size, args.head_dim)
         kv_dtype = kv_dtype or weight.dtype
@@ -320,8 +320,8 @@ class TorchModelRunner:
         where `matmul_decodes`; prefill chunks over contexts of up to
         `matmul_prefill_max_context` tokens (as timed at load) whose scores are no larger
         than those timed there (a step budget above PREFILL_TOKENS makes larger ones, and
-        scores that spill out of the caches lose: 64 prompts of 128 tokens, bf16, 34 vs 22
-        ms a layer for SDPA on 2 Zen 5 cores, where 16 of them took 2.1 vs 5.3)."""
+        the matmuls lose to SDPA once the scores spill out of the caches; measured in
+        bench/README.md)."""
         if max_q == 1:
             return self.matmul_decodes and num_seqs >= DECODE_MATMUL_MIN_SEQS
         longest = self.matmul_prefill_max_context
@@ -332,7 +332,7 @@ def prepare_model(
     model_path: str, dtype: torch.dtype, device: str, quantization: str, block_size: int
 ) -> LlamaForCausalLM:
     """The checkpoint's weights in `dtype` on `device`, plus compact copies of the
-    projections with `quantization` (quantization.py; `w8a8_int8` calibrated by one
+    projections with `quantization` (layers/quantization.py; `w8a8_int8` calibrated by one
     prefill here) and bf16 projections prepacked for oneDNN."""
     model = load_model(model_path, dtype, device)
     input_max = None

@@ -168,8 +168,8 @@ def effective_temperature(params: Sequence[SamplingParams], like: torch.Tensor) 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """One token id per row of the processed `logits` [B, vocab]."""
     params = [r.sampling for r in rows]
-    # max's indices: argmax's (the first of equal maxima, NaN wins alike), 2.6x faster on
-    # the CPU (64 x 49,152 fp32 logits, 2 threads: 1.0 vs 2.6 ms)
+    # max's indices: argmax's (the first of equal maxima, NaN wins alike), and faster than
+    # argmax on the CPU (measured in bench/README.md)
     tokens = logits.max(dim=-1).indices
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:

@@ -16,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 # -ffast-math lets gcc vectorize sums and exp (glibc's vector expf); compiled only, never
 # linked with it: gcc 12 then links crtfastmath.o into the library, which at load turns on
-# flush-to-zero for the whole process (subnormals gone; a hypothesis test caught it).
+# flush-to-zero for the whole process (subnormals gone; tests/model/test_paged_decode.py
+# checks that loading a kernel keeps them).
 # OpenMP: the runtime torch already loaded (same soname), so the kernels share its threads.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")

@@ -3,12 +3,12 @@ w8a8_int8`'s down_proj on CPUs with AMX.
 
 down_proj's input (silu(gate) * up) has the outliers that 8-bit activations lose, so W8A8
 does not serve it; on AVX2 CPUs W8A16 does (w8a8.py), but its vpmaddwd loops are
-slower than oneDNN's AMX bf16 matmul on an AMX CPU, so there down_proj ran in bf16 from 16
-tokens. This kernel reads half of bf16's bytes and keeps the activations in bf16: the
-weights are widened to bf16 in L1, chunk by chunk, and multiplied by AMX-BF16. The same
-product as torch's `_weight_int8pack_mm` (the LM head's int8 route), which on 2 AMX cores
-ran 2x slower than prepacked bf16 from 16 tokens (bench/kernels.py); this one, on 30
-down projections: 2.2 vs 4.3 ms at 16 tokens, 4.1 vs 5.9 at 64 (bench/README.md).
+slower than oneDNN's AMX bf16 matmul on an AMX CPU, which would leave down_proj in bf16 for
+all but the smallest steps. This kernel reads half of bf16's bytes and keeps the
+activations in bf16: the weights are widened to bf16 in L1, chunk by chunk, and multiplied
+by AMX-BF16. It computes the same product as torch's `_weight_int8pack_mm` (the LM head's
+int8 route), which loses to prepacked bf16 once a step carries more than a few tokens
+(bench/kernels.py); this one beats prepacked bf16 there (measured in bench/README.md).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def fits(weight: torch.Tensor) -> bool:
 
 
 class Int8Bf16(nn.Module):
-    """x @ w.T with w = q * scale (`q` [out, in] int8, `scale` [out]: quantization.py's
+    """x @ w.T with w = q * scale (`q` [out, in] int8, `scale` [out]: layers/quantization.py's
     `int8_channels`); x in bf16 (fp32 rounded to it). Output in x's dtype, no bias."""
 
     packed: torch.Tensor  # [out / 16][in / 2][16][2] int8

@@ -4,17 +4,15 @@ reference): a small C kernel (paged_decode.c) built with gcc when the scheduler 
 called through ctypes.
 
 The torch path gathers every decoding sequence's context blocks into a fresh [kv_heads, B,
-Lk, head_dim] tensor per layer, then runs two batched matmuls and a softmax over it: at 16
-sequences that gather was 11% of a served step (py-spy). The kernel reads each K/V row once
-where it lies. Per layer with SmolLM2's heads (9 query, 3 kv, head_dim 64), contexts of
-128-256 tokens, the 30 layers' caches visited in turn as a step does (K/V come from memory,
-not a warm cache), 2 AMD EPYC (Zen 5) cores: 1 sequence 8 vs 62 us, 16 sequences 111 vs
-240 us, 64 sequences 425 vs 820 us (the torch path: gather, two matmuls, softmax). Engine
-decode steps (int4, `bench/steps.py --paged-ab`): bf16 23.6 vs 28.2 ms at 16 sequences,
-52.0 vs 63.7 at 64; fp32 9.1 vs 10.5 ms at 1, 29.2 vs 33.1 at 16, 87.5 vs 105.8 at 64.
+Lk, head_dim] tensor per layer, then runs two batched matmuls and a softmax over it: the
+gather copies the whole context every layer of every step, a visible share of a served
+step. The kernel reads each K/V row once where it lies, so decode attention and the engine's
+decode steps get shorter, the more so the more sequences a step carries (timed with the
+layers' caches visited in turn as a step does, so K/V come from memory, not a warm cache;
+`bench/steps.py --paged-ab`; measured in bench/README.md).
 
-Whether it serves is timed at load beside the torch paths (attention_tuning.py); without a
-C compiler, or if the build fails, the torch paths serve as before. `torch.compile` sees it
+Whether it serves is timed at load beside the torch paths (layers/attention_tuning.py);
+without a C compiler, or if the build fails, the torch paths serve. `torch.compile` sees it
 as a custom op (`redserve::paged_decode`), opaque to Inductor.
 """
 
@@ -101,7 +99,7 @@ def _run(
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     # The C side reads raw pointers: a wrong dtype or layout would read out of bounds.
-    # (Plain comparisons: this runs once per layer, and generators cost ~1 us a call.)
+    # (Plain comparisons: this runs once per layer, where a generator's cost per call shows.)
     function = _ENTRY_POINTS.get((q.dtype, k_cache.dtype))
     if not (
         function is not None

@@ -1,12 +1,12 @@
 """RMSNorm of bf16 rows as one C call (rms_norm.c), for eager bf16 steps on CPU.
 
-Eager, a bf16 RMSNorm is about eight torch ops (the upcast, the fused norm's pow, mean,
-add and rsqrt, the downcast, the weight): ~490 op calls of the ~4,300 in a single-sequence
-`w8a8_int8` decode step of the default model, and 1.2 ms of its 9.1 (measured by leaving the
-norms out, 2 Zen 5 cores). The kernel reads each row once and rounds where those ops round,
-so its output is eager's but for the order of one sum (tests/model/test_rms_norm.py). Under
-`torch.compile` Inductor fuses the torch ops itself, and fp32 keeps them: the exact
-reference. Without a C compiler, or if the build fails, the torch ops serve.
+Eager, a bf16 RMSNorm is a chain of small torch ops (the upcast, the fused norm's pow, mean,
+add and rsqrt, the downcast, the weight), and a decode step runs two norms a layer plus the
+final one, so in a small step their per-op cost shows (measured in bench/README.md). The
+kernel reads each row once and rounds where those ops round, so its output is eager's but
+for the order of one sum (tests/model/test_rms_norm.py). Under `torch.compile` Inductor
+fuses the torch ops itself, and fp32 keeps them: the exact reference. Without a C compiler,
+or if the build fails, the torch ops serve.
 """
 
 from __future__ import annotations

@@ -4,34 +4,29 @@ products saturate otherwise), int32 sums, dequantized with the outlier channels 
 one pass.
 
 The torch version (`DynamicInt8`: fbgemm's int8 GEMM inside ~10 torch ops) spends more on
-its ops than its GEMM saves at decode sizes: per layer (qkv + gate_up + o, 16 tokens,
-2 Zen 5 cores) 347 us against 172 for prepacked bf16, the GEMM alone 125. A pass over the
-model's 120 projections (`bench/kernels.py`, weights from memory): at 16 tokens this
-kernel 9.0 ms, prepacked bf16 11.7, `DynamicInt8` 17.2, int4 13.2; at 64 tokens 20.3,
-24.5, 35.5, 47.3. Engine decode steps of `w8a8_int8` against `int4` (which takes
-prepacked bf16 from 16 tokens on): 20.3 vs 24.1 ms at 16 sequences, 45.9 vs 52.9 at 64.
-Its activations keep 8 bits per token where fbgemm's keep 7 (it reduces the range), with
-the same smoothing and outlier channels (quantization.py): top-1 159/160 against fp32
-where fbgemm's gave 155/160 (tests/model/test_quantization.py).
+its ops than its GEMM saves at decode sizes, so it loses to prepacked bf16 there. This
+kernel does the quantizing, the GEMM, the dequantizing and the outlier channels in one pass,
+which beats `DynamicInt8`, prepacked bf16 and int4 on middle-sized steps (`bench/kernels.py`,
+weights from memory) and shortens engine decode steps against `int4` (measured in
+bench/README.md). Its activations keep 8 bits per token where fbgemm's keep 7 (it reduces
+the range), with the same smoothing and outlier channels (layers/quantization.py), so it
+agrees with fp32 at least as well as fbgemm's path (tests/model/test_quantization.py).
 
-On AVX2 (2 Zen 3 cores, fp32 model) the kernel against fbgemm's path, engine decode steps
-interleaved (`bench/steps.py --modes w8a8_int8 --w8a8-ab`): 47.6 vs 52.9 ms at 4
-sequences, 88.3 vs 95.6 and 100.8 vs 106.2 at 16, 239 vs 232 at 64 (fbgemm's GEMM keeps
-up at 64 tokens and runs the LM head faster from 16 on). Every step through W8A8: top-1
-157/160 against fp32, mean |logprob error| 0.037 (fbgemm's 156/160, 0.042).
+On AVX2 the same holds against fbgemm's path at small and middle-sized steps; at the
+largest decode batches fbgemm's GEMM keeps up and runs the LM head faster, which the
+routes timed at load see (`bench/steps.py --modes w8a8_int8 --w8a8-ab`).
 
 Where the CPU has AMX-INT8 as well (Intel Sapphire Rapids and later), steps of 16 tokens or
 more go through AMX tiles (tdpbusd: 16 tokens x 16 channels x 64 bytes an instruction) on
 the same packed weights, with the same integer sums, so the same bits as the vpdpbusd
-tiles. On 2 such cores (`bench/kernels.py`, 120 projections): 28.0 vs 36.8 ms at 64 tokens,
-67.3 vs 99.8 at 256, on par up to 16 (where reading the weights bounds both). Engine decode
-steps (`bench/steps.py --amx-ab`): 49.1 vs 51.4 ms at 16 sequences; at 64 within the noise
-(103.3 vs 100.3, then 105.1 vs 107.5), where the cache reads and the torch ops weigh more.
+tiles. They win where a step is bound by arithmetic, not at the few tokens where reading
+the weights bounds both (`bench/kernels.py`, `bench/steps.py --amx-ab`); in large decode
+steps the cache reads and the torch ops weigh more, so the gain there is small.
 
 `wide` (W8A16, down_proj's route on AVX2 CPUs): int16 activations, 8-bit weights, vpmaddwd;
-as fast as W8A8 on Zen 3 (`bench/kernels.py`, 120 projections: 27.3 vs 26.8 ms at 16 tokens,
-75.7 vs 83.5 at 64; fp32 85.3 and 169.1, int4 58.4 and 205.7), which took a 16-sequence
-engine step from 84-94 to 68-70 ms, down_proj having run in fp32 there.
+as fast as W8A8 on AVX2 and much faster than fp32 and int4 from middle-sized steps on, so
+decode steps get shorter where down_proj would otherwise run in fp32 (measured in
+bench/README.md).
 """
 
 from __future__ import annotations
@@ -150,7 +145,7 @@ class FusedW8A8(nn.Module):
             rows = rows.float()
         rows = rows.contiguous()
         # Compiled, the op (opaque to Inductor, no graph break); eager, the plain call,
-        # which skips the dispatcher's overhead, 91 times a step.
+        # which skips the dispatcher's overhead on every projection of a step.
         run = w8a8_linear_op if torch.compiler.is_compiling() else _run
         out = run(
             rows,
@@ -208,8 +203,8 @@ def _run(
 
 
 # `--enable-torch-compile` with decode steps on this kernel's route: one op in the graph
-# (as paged_decode.py's), where a plain ctypes call broke the graph at every projection
-# (engine steps of one sequence, 2 Zen 3 cores: compiled 37.5 ms against 28.1 eager).
+# (as paged_decode.py's), where a plain ctypes call would break the graph at every
+# projection and make compiled steps slower than eager ones (measured in bench/README.md).
 w8a8_linear_op = torch.library.custom_op("redserve::w8a8_linear", _run, mutates_args=())
 
 

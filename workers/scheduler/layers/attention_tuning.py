@@ -1,22 +1,18 @@
 """Which attention kernels a bf16/fp16 (or quantized fp32) CPU runner takes, timed at load on
 the machine (as tiered.py does for the projections).
 
-The fastest one differs between CPUs. Per layer, SmolLM2's heads, torch 2.13: on 2 AMD
-EPYC cores with AVX512-BF16, torch's bf16 SDPA ran 1.5-4x slower than upcasting q/k/v to
-fp32 for it, and one query per sequence ran fastest as two batched matmuls
-(`Attention._attend_matmuls`); on 2 Sapphire Rapids cores (AMX) bf16 SDPA is 3x faster than
-upcasting (16 prefills of 128 tokens: 2.8 vs 8.6 ms) and beats the matmuls on decodes (16
-sequences of 256 tokens: 196 vs 298 us; equal at 64). Where gcc builds it, the paged C
-kernel (paged_decode.py) is timed on the same decodes, and serves them if fastest. Prefill
-chunks over short contexts may take the matmuls too: timed on fresh prompts of 128, 256
-and 512 tokens, they serve contexts up to the longest at which they still won.
+The fastest one differs between CPUs, and the order can flip: on some, torch's bf16 SDPA
+runs slower than upcasting q/k/v to fp32 for it and one query per sequence runs fastest as
+two batched matmuls (`Attention._attend_matmuls`); on others (AMX) bf16 SDPA beats both the
+upcast and the matmuls (measured in bench/README.md). Where gcc builds it, the paged C
+kernel (kernels/paged_decode.py) is timed on the same decodes, and serves them if fastest.
+Prefill chunks over short contexts may take the matmuls too: timed on fresh prompts of 128,
+256 and 512 tokens, they serve contexts up to the longest at which they still won.
 
 The candidates are timed in rounds, each round calling every one of them once, and each keeps
 its best time: `redserve up` starts the api beside the scheduler, and timed back to back a
-burst of other work can fall on one candidate's samples only (on 2 AVX2 cores torch's
-matmuls beat the paged kernel in one of seven starts, which every other start picked; that
-server's was the slowest run of the session: 16 streams at 114 tok/s, 172-212 in the others
-with the same flags).
+burst of other work can fall on one candidate's samples only, which would pick a slower
+kernel for the whole run.
 """
 
 from __future__ import annotations
@@ -43,7 +39,7 @@ PREFILL_TOKENS = 2048
 class AttentionChoice:
     upcast_sdpa: bool  # prefill chunks (and decodes without the matmuls): SDPA in fp32
     matmul_decodes: bool  # decode groups: two batched matmuls instead of SDPA
-    paged_decodes: bool = False  # decode groups: paged_decode.py's kernel, before both
+    paged_decodes: bool = False  # decode groups: kernels/paged_decode.py's kernel, before both
     # prefill chunks over contexts up to this many tokens: two batched matmuls, not SDPA
     matmul_prefill_max_context: int = 0
 

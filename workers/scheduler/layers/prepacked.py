@@ -6,14 +6,15 @@ layout.
 projections (~200 MB in bf16) that is one extra pass over the weights per forward, which is
 most of a small decode step. `torch.ops.mkldnn._linear_pointwise` takes the weight already
 reordered (`_reorder_linear_weight`, what inductor's weight prepacking does) and gives the
-same bits as `F.linear` (tests/model/test_families.py). Measured on 2 Sapphire Rapids
-cores (AMX, torch 2.13, bench/kernels.py): 120 projections at 1 token 12.7 vs 21.7 ms, at
-64 tokens 26.1 vs 38.6 ms. fp32 stays on `F.linear` (MKL): it is the exact reference.
+same bits as `F.linear` (tests/model/test_families.py) without the reorder, so the
+projections run faster at small and large steps alike (bench/kernels.py; measured in
+bench/README.md). fp32 stays on `F.linear` (MKL): it is the exact reference.
 
 The call is a custom op (`redserve::prepacked_linear`) so that `torch.compile` keeps it
 opaque: Inductor's own lowering of `_linear_pointwise` wants the packed weight as a frozen
-graph constant and failed on a module attribute (`--enable-torch-compile` in bf16 died at
-load). Eager steps call the op directly: the custom op's dispatch costs ~3.5 us a call.
+graph constant and fails on a module attribute, which would stop `--enable-torch-compile`
+in bf16 at load. Eager steps call the mkldnn op directly, skipping the custom op's dispatch
+cost on every call.
 """
 
 from __future__ import annotations

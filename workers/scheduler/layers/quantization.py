@@ -3,23 +3,24 @@
 routes a step by its token count to the kernel measured fastest for that size on this CPU.
 
 A decode step of a few sequences is memory-bound: every step reads all the weights once, so
-their size sets its time (2 AVX2 cores, 120 projections at 1 token: fp32 34 ms, torch's
-packed int4 kernel 9 ms); large steps are compute-bound, and there the packed kernels lose.
+their size sets its time and compact int4 weights make it much shorter (measured in
+bench/README.md); large steps are compute-bound, and there the packed kernels lose.
 
 Decoder projections: int4, asymmetric, groups of 32 along the input dim (scale and zero per
 group). SmolLM2's packaged weights come from a Q4_1 GGUF (the same layout), so requantizing
-them is close to lossless. The LM head: int8 per output channel (an int4 head cost 21 of
-160 top-1 agreements with fp32; the int8 one costs 1). Accuracy against the fp32
+them is close to lossless. The LM head: int8 per output channel (an int4 head loses far
+more top-1 agreement with fp32 than an int8 one; bench/README.md). Accuracy against the fp32
 reference: tests/model/test_quantization.py. CPU only: the CUDA int4 kernel wants
 another packing.
 
 `w8a8_int8` gives qkv, o, gate_up and the head a third kernel, int8 x int8 (`w8a8_projection`;
 down_proj int8 x int16 where the CPU has AVX2 and int8 x bf16 where it has AMX-BF16, see
 DYNAMIC_INT8_PROJECTIONS):
-on x86 CPUs with AVX512-VNNI or AVX2 one C call per projection (w8a8.py), elsewhere
-fbgemm's GEMM inside torch ops (`DynamicInt8`, 2-3x faster than int4 and fp32 from 8 tokens
-on over AVX2; bench/kernels.py). Its activations are quantized at run time, which this model's
-outlier channels make lossy; a calibration prefill at load (`CALIBRATION_TEXT`) finds them.
+on x86 CPUs with AVX512-VNNI or AVX2 one C call per projection (kernels/w8a8.py), elsewhere
+fbgemm's GEMM inside torch ops (`DynamicInt8`, which on AVX2 beats int4 and fp32 from
+middle-sized steps on; bench/kernels.py). Its activations are quantized at run time, which
+this model's outlier channels make lossy; a calibration prefill at load (`CALIBRATION_TEXT`)
+finds them.
 
 Which kernel a step takes depends on how many tokens it carries, so with quantization on,
 a request's tokens can differ (rarely) with the batch it shares: quantization is opt-in and
@@ -45,7 +46,8 @@ INT4_GROUP_SIZE = 32
 
 class Int4Weights(nn.Module):
     """x @ w.T with w in int4 groups (torch's packed kernel: vectorized for bf16
-    activations, ~10x slower on fp32 ones). Output bf16, no bias."""
+    activations, far slower on fp32 ones, so fp32 inputs are rounded to bf16). Output bf16,
+    no bias."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -187,15 +189,14 @@ def calibration_ids(model_path: str) -> list[int]:
 
 # w8a8_int8: which decoder projections take int8 activations (and the LM head, whose
 # input comes from the final norm). down_proj's input (silu(gate) * up) has the widest
-# outliers: W8A8 there alone cost 22 of 160 top-1 agreements with fp32 (the other three
-# together, with the int8 head: 5; with the AVX2 kernel 154/160 against 157/160 with it in
-# int4). It takes W8A16 instead where the CPU has AVX2 (16-bit activations, 8-bit weights:
-# 156/160 on Zen 3, as accurate as int4 and as fast as W8A8, where fp32 and int4 are 2-3x
-# slower from 16 tokens on; bench/kernels.py), and int8 weights x bf16 activations through
-# AMX-BF16 where the CPU has that (int8_bf16.py: 30 down projections at 16 tokens 2.2 vs
-# 4.3 ms for prepacked bf16 on 2 AMX cores; top-1 158/160), else int4/dense. The head in
-# W8A8 costs no more than int8 weights (158/160 either way on 2 Ice Lake cores) and runs
-# 3.4x faster at 16 rows (4.0 vs 13.8 ms; fp32 29.5) with VNNI.
+# outliers: W8A8 there alone costs far more top-1 agreement with fp32 than the other three
+# projections and the int8 head together. It takes W8A16 instead where the CPU has AVX2
+# (16-bit activations, 8-bit weights: as accurate as int4 and as fast as W8A8, where fp32
+# and int4 are much slower from middle-sized steps on; bench/kernels.py), and int8 weights
+# x bf16 activations through AMX-BF16 where the CPU has that (kernels/int8_bf16.py: faster
+# than prepacked bf16, its bf16 activations keep the outliers), else int4/dense. The head
+# in W8A8 costs no more accuracy than int8 weights and runs much faster with VNNI.
+# Measured in bench/README.md.
 DYNAMIC_INT8_PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj"})
 # Input channels whose calibrated range is widest stay out of the int8 product (computed
 # in the model's dtype), and SmoothQuant moves part of the rest of the activations' range
@@ -210,7 +211,7 @@ def w8a8_projection(
     library: ctypes.CDLL | None = None,
     wide: bool = False,
 ) -> nn.Module:
-    """The W8A8 projection: one C call where the CPU has AVX512-VNNI or AVX2 (w8a8.py;
+    """The W8A8 projection: one C call where the CPU has AVX512-VNNI or AVX2 (kernels/w8a8.py;
     `library`: another build of it, for tests), else fbgemm's GEMM inside torch ops
     (`DynamicInt8`); the same smoothing either way. The weights take the levels the
     library's path multiplies exactly (7 bits on AVX2, else 8). `wide`: W8A16 (16-bit
@@ -249,11 +250,11 @@ class Smoothed:
 class DynamicInt8(nn.Module):
     """int8 weights (per output channel) x int8 activations quantized at run time (7 bits,
     per token: fbgemm's `linear_dynamic` on rows scaled to [-1, 1]). Output in the input's
-    dtype, no bias. Per-tensor int8 activations alone cost 41 of 160 top-1 agreements on
-    SmolLM2: a few input channels carry values 10-100x the others. So the
-    `OUTLIER_CHANNELS` widest (from a calibration run) are multiplied apart in the weights'
-    precision, and the rest are smoothed (divided by s, the weights' columns multiplied by
-    it) before quantizing."""
+    dtype, no bias. Per-tensor int8 activations alone lose much of the top-1 agreement
+    with fp32 on SmolLM2: a few input channels carry values far larger than the others. So
+    the `OUTLIER_CHANNELS` widest (from a calibration run) are multiplied apart in the
+    weights' precision, and the rest are smoothed (divided by s, the weights' columns
+    multiplied by it) before quantizing."""
 
     inverse_smooth: torch.Tensor  # 1 / s per input channel, 0 for the outlier channels
     outliers: torch.Tensor
@@ -277,7 +278,7 @@ class DynamicInt8(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.float() * self.inverse_smooth
-        # abs().amax(): 10x faster than vector_norm(inf) here (256 rows: 31 vs 306 us).
+        # abs().amax(), not vector_norm(inf): the same values, far faster on CPU.
         row_max = rows.abs().amax(-1, keepdim=True).clamp_(min=1e-6)
         out = torch.ops.quantized.linear_dynamic(rows / row_max, self.packed, True).mul_(row_max)
         return torch.addmm(out.to(x.dtype), x.index_select(-1, self.outliers), self.outlier_weight)

@@ -2,11 +2,10 @@
 
 A step of a few tokens is bound by reading the weights, so compact copies win there; a
 large one is bound by arithmetic, where the dense weights (or int8 x int8) win. Where the
-crossovers lie differs from CPU to CPU (bench/kernels.py, 120 projections): torch's packed
-int4 kernel beats bf16 up to 16 tokens on one AVX512-BF16 VM (11.9 vs 13.7 ms at 16), only
-at 1-2 tokens on a Sapphire Rapids VM against prepacked bf16 (16 tokens: 31 vs 17 ms), and
-up to 16 tokens against fp32 on AVX2. So `tune_routes` times every kernel on the machine at
-load instead of trusting a table made on another one.
+crossovers lie differs from CPU to CPU, by several step sizes (bench/kernels.py; measured in
+bench/README.md): a fast bf16 matmul (AMX) takes over from torch's packed int4 kernel much
+earlier than a slower one. So `tune_routes` times every kernel on the machine at load
+instead of trusting a table made on another one.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from torch import nn
 # Step sizes that get a measured route; a step of n tokens takes the route of the smallest
 # size >= n, and steps above the last one take the last one's: from 256 tokens on every
 # kernel is compute-bound, so their order no longer changes with the size (prefill chunks
-# of 512-2048 tokens: int8 x int8 1.1-1.2x faster than fp32 on 2 Ice Lake cores, where at 256
-# it was 1.4x; int4 2.2-2.5x slower throughout).
+# of 512-2048 tokens keep the order timed at 256; measured in bench/README.md).
 TUNED_TOKENS = (1, 2, 4, 8, 16, 32, 64, 256)
 DENSE = "dense"
 
@@ -47,9 +45,10 @@ class TieredLinear(nn.Module):
 
     def kernel_for(self, tokens: int) -> str:
         """The route of the smallest tuned size >= `tokens`, found by comparing `tokens` only
-        where the route changes: under torch.compile with a dynamic batch (compiled.py) each
-        comparison is a guard, so a graph serves every size between two changes (an index
-        into a table by `tokens` would fix the graph to one size)."""
+        where the route changes: under torch.compile with a dynamic batch
+        (engine/compiled.py) each comparison is a guard, so a graph serves every size
+        between two changes (an index into a table by `tokens` would fix the graph to one
+        size)."""
         route = self.route
         for i in range(len(route) - 1):
             if route[i] != route[i + 1] and tokens <= TUNED_TOKENS[i]:
@@ -70,9 +69,9 @@ def tune_routes(model: nn.Module, rounds: int = 5) -> dict[str, list[str]]:
     all of them as a forward makes it (so their weights come from memory, not cache), the
     kernels' passes interleaved, best of `rounds`. A round times every size once, so a
     size's samples lie seconds apart: `redserve up` starts the api beside the scheduler, and
-    its imports kept a core busy through all of a size's back-to-back samples once (int4 at
-    1 token timed slower than fp32, which then served every single-stream step at 2x the
-    time). Returns the routes by kernel set."""
+    its imports can keep a core busy through back-to-back samples, which would pin a wrong
+    route (a slow kernel serving every step of that size) for the whole run. Returns the
+    routes by kernel set."""
     groups: dict[tuple[str, ...], list[TieredLinear]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, TieredLinear):

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # HF's: x * rsqrt(mean(x²) + eps) in fp32, then weight * (that in x's dtype). One
-        # fused kernel, bit-identical (and 20% faster on a 2048-token bf16 prefill).
+        # fused kernel, bit-identical, and faster than the separate ops.
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         if rms_norm.takes(x, self.weight):  # eager bf16 on CPU: one C call
@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_proj_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        # bf16/fp16 on CPU: q/k/v upcast to fp32 for SDPA, or not (attention_tuning.py
+        # bf16/fp16 on CPU: q/k/v upcast to fp32 for SDPA, or not (layers/attention_tuning.py
         # times both at load; which is faster depends on the CPU).
         self.upcast_sdpa = True
 
@@ -115,7 +115,8 @@ class Attention(nn.Module):
                     return attended
                 out[group.token_index] = attended
                 continue
-            # Whole blocks: 1.5x faster than gathering slot by slot (2 KB rows, not 128 B).
+            # Whole blocks (2 KB rows in bf16, not 128 B ones): far fewer, larger copies
+            # than gathering slot by slot.
             keys, values = (
                 cache.view(-1, batch.block_size * self.head_dim)
                 .index_select(0, group.kv_rows)
@@ -169,11 +170,11 @@ class Attention(nn.Module):
         """Padded queries [B, Lq, heads, d] (bf16/fp16 on CPU, as the model runner decides)
         as two batched matmuls over the [kv_heads, B, Lk, head_dim] contexts, each (kv head,
         sequence) one matrix of its group's query rows; scores and softmax in fp32;
-        [B * Lq, heads, d]. Per layer at 64 decodes of ~190 tokens: 0.8 ms vs 1.8 ms for
-        upcasting K/V to fp32 for SDPA (the copies were most of it); 16 fresh prompts of 128
-        tokens on 2 Zen 5 cores: 2.1 vs 5.3 ms for SDPA, whose CPU kernel neither skips the
-        masked half at that length nor runs bf16 faster than fp32. Scores take Lq x Lk
-        floats a query head, so only short contexts come here (attention_tuning.py)."""
+        [B * Lq, heads, d]. It beats SDPA on many decodes, where SDPA with the fp32 upcast
+        spends most of its time copying K/V, and on short prompts, where SDPA's CPU kernel
+        neither skips the masked half nor runs bf16 faster than fp32 (measured in
+        bench/README.md). Scores take Lq x Lk floats a query head, so only short contexts
+        come here (layers/attention_tuning.py)."""
         num_seqs, max_q = queries.shape[:2]
         kv_heads, group_size = self.num_kv_heads, self.num_heads // self.num_kv_heads
         # Query head h reads kv head h // group_size (as SDPA's enable_gqa): rows of one kv
@@ -228,7 +229,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
-    lm_head: nn.Module  # an nn.Linear, or a wrapper of it (quantization.py, prepacked.py)
+    lm_head: nn.Module  # an nn.Linear, or a wrapper (layers/quantization.py, layers/prepacked.py)
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

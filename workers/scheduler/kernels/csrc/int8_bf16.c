@@ -66,7 +66,7 @@ static void group(int m0, int tiles, int block, int M, int K, int N, const uint1
     for (int k = 0; k < K; k += CHUNK_K, q += CHUNK_K * BLOCK_N) {
         widen(q, widened);
         /* gcc's tileloadd asm names no memory it reads: without this the stores above are
-         * dead to it (seen: garbage sums at -O3) */
+         * dead to it (garbage sums at -O3) */
         __asm__ volatile("" ::: "memory");
         _tile_loadd(5, widened, 2 * 2 * BLOCK_N);
         DOT(0);

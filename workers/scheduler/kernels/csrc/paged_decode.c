@@ -7,13 +7,13 @@
  * One task per (sequence, kv head): the group's query heads are scored against the context
  * block by block, softmaxed in fp32, and V summed with those weights; no gathered copy of
  * the context. The next block is prefetched while one is worked on (a context's blocks lie
- * apart in the cache, and cold reads were half the time). With AVX-512, a block's K rows
+ * apart in the cache, so cold reads would stall it). With AVX-512, a block's K rows
  * are widened to fp32 once for every query of the group, 16 dot products are summed in one
  * transpose-and-add tree, and (head_dim 64, at most 4 queries per kv head, as SmolLM2's)
  * the weighted V sum stays in registers. With AVX2 alone the same in 8 lanes: 8 dot products
- * a tree, the V sum of one query (head_dim 64) in registers (the plain loops' horizontal sum
- * per row and copy of every row ran 16 sequences' steps at ~9 GFLOP/s on 2 Zen 3 cores).
- * Elsewhere plain loops that gcc vectorizes. */
+ * a tree, the V sum of one query (head_dim 64) in registers, where the plain loops' horizontal
+ * sum per row and copy of every row run far below the CPU's rate. Elsewhere plain loops that
+ * gcc vectorizes. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-/* A whole W8A8 projection in one call (`--quantization w8a8_int8`, w8a8_kernel.py): each
+/* A whole W8A8 projection in one call (`--quantization w8a8_int8`, w8a8.py): each
  * token's activations (times the inverse smoothing, outlier channels zeroed) quantized to
  * int8 with their own scale, int8 x int8 dot products summed in int32, dequantized with the
  * token's and the output channel's scales, plus the outlier channels' product in fp32;
@@ -14,7 +14,7 @@
  *   has AMX-INT8 too (Sapphire Rapids on), tiles of 16 tokens x a block through tdpbusd
  *   (see the AMX notes below);
  * - AVX2: vpmaddubsw + vpmaddwd, blocks of 16 channels, 7-bit weights (see its notes);
- * - neither: plain loops over the same layout (for the tests; w8a8_kernel.py offers the
+ * - neither: plain loops over the same layout (for the tests; w8a8.py offers the
  *   kernel only where `w8a8_vectorized()` is not 0).
  * `w8a8_tile_n()` and `w8a8_weight_levels()` tell the packing code which.
  *
@@ -73,8 +73,8 @@ typedef struct {
 
 /* Per token: x * inverse_smooth scaled to [-levels, levels] by its largest |value|, as
  * uint8 q + 128 or (`wide`) int16. Each branch of `x_bf16` and `wide` gets its own copy of
- * the loops (inlined with constants), so gcc vectorizes them: scalar, this pass took about
- * a fifth of a 64-token projection. */
+ * the loops (inlined with constants), so gcc vectorizes them: scalar, this pass would be a
+ * large share of a projection. */
 static inline __attribute__((always_inline)) void quantize_rows(const void *x, const int x_bf16, const int wide,
                                                                 int M, int K, const float *inverse_smooth,
                                                                 const Weights *w, float levels, void *q,
@@ -297,9 +297,9 @@ static void amx_tile(int m0, int rows, int block, int K, int N, const Weights *w
  * 255 * 127 * 2 overflows. So this build takes weights in 7 bits, [-63, 63]: pairs stay
  * within 255 * 63 * 2, exact (fbgemm keeps 7 bits of the activations instead). The exact
  * 8 x 8-bit alternative, llama.cpp's (the activation's sign moved onto the weight with
- * vpsignb, its magnitude unsigned), ran at half the speed on Zen 3 (64-token gate_up
- * projection, 2 threads: 2.97 ms against 1.43). 16 ymm registers hold 4 tokens x 16
- * channels, so a block is 16 channels here. */
+ * vpsignb, its magnitude unsigned), takes more instructions and runs much slower
+ * (bench/README.md). 16 ymm registers hold 4 tokens x 16 channels, so a block is 16
+ * channels here. */
 
 /* Tokens m0..m0+T-1 x channels 16 * block...: per k-step two ymm of weights, then per
  * token and register a vpmaddubsw, a vpmaddwd and a vpaddd. */
@@ -335,11 +335,11 @@ static inline __attribute__((always_inline)) void tile_of(const int T, int m0, i
         s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w1), ones)); \
     } while (0)
 
-/* tile_of(4, ...) with the eight sums in named registers: as an array gcc kept them in
- * memory, a store and a reload in every k-step's dependency chain (a pass over the model's
- * 120 projections 12-16% longer at 16-256 tokens). With `prefetch_next` (a block's second
- * tile, its own weights in L1 by then) it pulls the next block's weights in, one line per
- * k-step, so memory streams while it multiplies (at 16 tokens a further ~6%). */
+/* tile_of(4, ...) with the eight sums in named registers: as an array gcc keeps them in
+ * memory, a store and a reload in every k-step's dependency chain. With `prefetch_next` (a
+ * block's second tile, its own weights in L1 by then) it pulls the next block's weights in,
+ * one line per k-step, so memory streams while it multiplies. Both measured in
+ * bench/README.md. */
 static void tile4(int m0, int block, int K, int N, const Weights *w, const Activations *a, void *out, int bf16,
                   int prefetch_next) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -425,9 +425,8 @@ static void tile16(int m0, int block, int M, int K, int N, const Weights *w, con
 }
 #endif
 
-/* Fewest tokens a step takes through AMX tiles: below, vpdpbusd's tiles were as fast or
- * faster (both bound by reading the weights; at 8 tokens a tie twice, a 20% loss once, in
- * three interleaved runs; bench/README.md, the AMX VM). */
+/* Fewest tokens a step takes through AMX tiles: below, vpdpbusd's tiles are as fast or
+ * faster, both being bound by reading the weights (measured in bench/README.md). */
 #ifndef AMX_MIN_TOKENS
 #define AMX_MIN_TOKENS 16
 #endif
