@@ -138,7 +138,7 @@ def _native_req(
     return GenerateReq(
         rid="",
         prompt=prompt,
-        sampling=make_sampling(p.sampling_in()),
+        sampling=make_sampling(p),
         max_new_tokens=NATIVE_MAX_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens,
         stream=body.stream,
         incremental=incremental,
@@ -204,7 +204,7 @@ def _openai_req(
     return GenerateReq(
         rid="",
         prompt=prompt,
-        sampling=make_sampling(body.sampling_in(), openai=True),
+        sampling=make_sampling(body, openai=True),
         max_new_tokens=max_new_tokens,
         stream=stream,
         incremental=stream,

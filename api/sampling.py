@@ -4,9 +4,8 @@ and range checks (its messages, OpenAI's names and ranges on /v1). Checks that n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from api.errors import BadRequest
+from api.schemas.sampling import SamplingFields
 from shared import protocol
 
 MAX_STOP_STRINGS = 16
@@ -28,26 +27,7 @@ _RANGES: dict[str, tuple[float, bool, float, bool]] = {
 }
 
 
-@dataclass
-class SamplingIn:
-    """Sampling fields as a client sent them (None = the default)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_new_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
-
-
-def make_sampling(raw: SamplingIn, *, openai: bool = False) -> protocol.SamplingParams:
+def make_sampling(raw: SamplingFields, *, openai: bool = False) -> protocol.SamplingParams:
     """Checked engine sampling parameters; max_new_tokens is set once the prompt is known."""
     _check_ranges(raw, openai)
     token_ids = list(raw.stop_token_ids or [])
@@ -66,13 +46,13 @@ def make_sampling(raw: SamplingIn, *, openai: bool = False) -> protocol.Sampling
         top_k=k,
         stop_token_ids=token_ids,
         ignore_eos=bool(raw.ignore_eos),
-        seed=raw.seed,
+        seed=raw.seed_sent,
         stop=stop_list(raw.stop),
         min_p=_or(raw.min_p, 0.0),
         frequency_penalty=_or(raw.frequency_penalty, 0.0),
         presence_penalty=_or(raw.presence_penalty, 0.0),
         repetition_penalty=_or(raw.repetition_penalty, 1.0),
-        min_new_tokens=raw.min_new_tokens or 0,
+        min_new_tokens=raw.min_new_tokens_sent or 0,
         logit_bias=logit_bias(raw.logit_bias, openai),
     )
 
@@ -89,7 +69,7 @@ def _or(value: float | None, default: float) -> float:
     return default if value is None else float(value)
 
 
-def _check_ranges(raw: SamplingIn, openai: bool) -> None:
+def _check_ranges(raw: SamplingFields, openai: bool) -> None:
     t = raw.temperature
     if t is not None:
         if openai and not 0 <= t <= OPENAI_MAX_TEMPERATURE:
@@ -105,11 +85,10 @@ def _check_ranges(raw: SamplingIn, openai: bool) -> None:
         if not (above and below):
             interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
             raise BadRequest(f"{name} must be in {interval}, got {value}.", param=name)
-    if raw.min_new_tokens is not None and raw.min_new_tokens < 0:
+    min_new = raw.min_new_tokens_sent
+    if min_new is not None and min_new < 0:
         name = "min_tokens" if openai else "min_new_tokens"
-        raise BadRequest(
-            f"{name} must be in [0, max_new_tokens], got {raw.min_new_tokens}.", param=name
-        )
+        raise BadRequest(f"{name} must be in [0, max_new_tokens], got {min_new}.", param=name)
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

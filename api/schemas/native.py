@@ -8,7 +8,6 @@ from typing import Any, Self
 
 from pydantic import model_validator
 
-from api.sampling import SamplingIn
 from api.schemas.common import (
     EmbedInput,
     Int64,
@@ -46,9 +45,13 @@ class SamplingParamsIn(SamplingFields):
         reject_present(self, _UNSUPPORTED_SAMPLING)
         return self
 
-    def sampling_in(self) -> SamplingIn:
-        seed = self.seed if self.seed is not None else self.sampling_seed
-        return self._sampling_in(self.min_new_tokens, seed)
+    @property
+    def min_new_tokens_sent(self) -> int | None:
+        return self.min_new_tokens
+
+    @property
+    def seed_sent(self) -> int | None:
+        return self.seed if self.seed is not None else self.sampling_seed
 
 
 class TextOnlyInput(RequestBody):

@@ -7,7 +7,6 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from api.sampling import SamplingIn
 from api.schemas.common import (
     EmbedInput,
     OneOrList,
@@ -57,8 +56,9 @@ class OpenAISamplingRequest(SamplingFields):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_in(self) -> SamplingIn:
-        return self._sampling_in(self.min_tokens, self.seed)
+    @property
+    def min_new_tokens_sent(self) -> int | None:
+        return self.min_tokens
 
 
 class CompletionRequest(OpenAISamplingRequest):

@@ -4,14 +4,12 @@ extras). Each API adds its own: max_new_tokens / max_tokens, min_new_tokens / mi
 
 from __future__ import annotations
 
-from dataclasses import fields
-
-from api.sampling import SamplingIn
 from api.schemas.common import Int64, OneOrList, RequestBody, SafeStr
 
 
 class SamplingFields(RequestBody):
-    """None means "the default", as in SGLang."""
+    """As the client sent them; None means "the default", as in SGLang (api.sampling turns
+    them into the engine's SamplingParams)."""
 
     n: int | None = None
     temperature: float | None = None
@@ -31,8 +29,11 @@ class SamplingFields(RequestBody):
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
 
-    def _sampling_in(self, min_new_tokens: int | None, seed: int | None) -> SamplingIn:
-        """The fields as sent, for api.sampling's checks and defaults."""
-        own = ("min_new_tokens", "seed")  # each API names these its own way
-        shared = {f.name: getattr(self, f.name) for f in fields(SamplingIn) if f.name not in own}
-        return SamplingIn(**shared, min_new_tokens=min_new_tokens, seed=seed)
+    # Named each API's own way: min_new_tokens / min_tokens, seed / seed or sampling_seed.
+    @property
+    def min_new_tokens_sent(self) -> int | None:
+        raise NotImplementedError
+
+    @property
+    def seed_sent(self) -> int | None:
+        return self.seed
