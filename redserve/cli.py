@@ -98,6 +98,12 @@ FLAGS: tuple[Flag, ...] = (
         "/generate streams deltas instead of cumulative text",
         switch=True,
     ),
+    Flag(
+        "--orphan-grace-s",
+        "api.orphan_grace_s",
+        "a stream whose client or replica went away waits this long for a re-attach",
+        float,
+    ),
     # scheduler.*
     Flag("--device", "scheduler.device", "cpu or cuda"),
     Flag("--dtype", "scheduler.dtype", "auto, float32, bfloat16 or float16"),
@@ -159,11 +165,29 @@ FLAGS: tuple[Flag, ...] = (
         metavar="ID",
     ),
     Flag("--num-threads", "scheduler.num_threads", "torch threads; 0 = torch's default", int),
+    Flag(
+        "--max-deliveries",
+        "scheduler.max_deliveries",
+        "a job delivered more times goes to the dead-letter stream",
+        int,
+    ),
+    Flag(
+        "--drain-s",
+        "scheduler.drain_s",
+        "on SIGTERM, finish running requests this long, then hand the rest over",
+        float,
+    ),
     # detokenizer.*
+    Flag(
+        "--detokenizer-id",
+        "detokenizer.worker_id",
+        "name of this detokenizer replica (its shard leases)",
+        metavar="ID",
+    ),
     Flag(
         "--shard",
         "detokenizer.shards",
-        "a tok:{shard} channel this replica serves; repeat for several",
+        "a tok:{shard} channel this replica prefers; repeat for several",
         int,
         repeat=True,
     ),
@@ -172,6 +196,12 @@ FLAGS: tuple[Flag, ...] = (
         "detokenizer.max_states",
         "live per-request decode states kept (least recently used evicted beyond)",
         int,
+    ),
+    Flag(
+        "--lease-ttl-s",
+        "detokenizer.lease_ttl_s",
+        "a shard's lease outlives its holder's last renewal by this long",
+        float,
     ),
 )
 
@@ -193,9 +223,10 @@ _HEALTH_FLAGS = ("--redis-url", "--key-prefix", "--port")
 _DERIVED_DEFAULTS: dict[str, str] = {
     "api.api_id": "host name + random suffix",
     "scheduler.worker_id": "host name + random suffix",
+    "detokenizer.worker_id": "host name + random suffix",
     "api.served_model_name": "the model's file or folder name",
     "api.api_keys": "none: no authentication",
-    "detokenizer.shards": "all",
+    "detokenizer.shards": "a fair share",
 }
 
 

@@ -16,6 +16,8 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.keys import HEARTBEAT_TTL_S
+
 
 def _default_instance_id() -> str:
     return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -51,6 +53,9 @@ class ApiSettings(_Checked):
     # most this many texts, gathered for at most this long once a second one is waiting.
     tokenizer_batch_size: int = Field(default=32, ge=1)
     tokenizer_batch_timeout_s: float = Field(default=0.002, ge=0)
+    # A streaming request whose client went away (or whose replica died) keeps running this
+    # long for a re-attach (GET /v1/requests/{rid}/stream on any replica), then is aborted.
+    orphan_grace_s: float = Field(default=30.0, ge=0)
 
 
 Quantization = Literal["none", "int4", "w8a8_int8"]
@@ -106,6 +111,16 @@ class SchedulerSettings(_Checked):
     num_threads: int = Field(default=0, ge=0)  # 0 = torch default
     # Block for new jobs at most this long when idle.
     idle_block_ms: int = Field(default=50, ge=1)
+    # Every reclaim_every_s a scheduler takes over jobs pending this long (at least
+    # reclaim_min_idle_s) with a dead owner (no heartbeat): they resume from their id log.
+    reclaim_every_s: float = Field(default=2.0, gt=0)
+    reclaim_min_idle_s: float = Field(default=12.0, gt=HEARTBEAT_TTL_S)
+    # A job delivered more than this many times goes to the dead-letter stream, its client
+    # gets an error.
+    max_deliveries: int = Field(default=3, ge=1)
+    # On SIGTERM: stop reading jobs, finish running requests for up to drain_s, then hand
+    # the rest to another scheduler at once.
+    drain_s: float = Field(default=30.0, ge=0)
 
     def cuda_graph_batches(self) -> int:
         """The largest decode batch to record CUDA graphs for (0 = none): no batch is
@@ -114,8 +129,11 @@ class SchedulerSettings(_Checked):
 
 
 class DetokenizerSettings(_Checked):
-    # Shards of the token channel this replica subscribes to; empty = all.
+    worker_id: str = Field(default_factory=_default_instance_id)
+    # Shards of the token channel this replica prefers; empty = a fair share. Each shard is
+    # held under a lease that expires lease_ttl_s after its holder stopped renewing it.
     shards: list[int] = Field(default_factory=list)
+    lease_ttl_s: float = Field(default=5.0, gt=0)
     # Live per-request decode states kept at most (least recently used evicted beyond).
     max_states: int = Field(default=65536, ge=1)
 

@@ -15,8 +15,10 @@ import redis.asyncio as aioredis
 
 from shared.keys import HEARTBEAT_TTL_S, Keys
 
-WorkerKind = Literal["scheduler"]
+WorkerKind = Literal["scheduler", "api", "detokenizer"]
 SCHEDULER: WorkerKind = "scheduler"
+API: WorkerKind = "api"
+DETOKENIZER: WorkerKind = "detokenizer"
 
 
 class SchedulerBeat(msgspec.Struct, frozen=True):
@@ -29,9 +31,21 @@ class SchedulerBeat(msgspec.Struct, frozen=True):
     updated_at: float = 0.0
 
 
-def beat(pipe: aioredis.client.Pipeline, keys: Keys, worker_id: str, fields: SchedulerBeat) -> None:
+class Beat(msgspec.Struct, frozen=True):
+    """The beat of a worker that reports nothing but being alive (api, detokenizer)."""
+
+    updated_at: float = 0.0
+
+
+def beat(
+    pipe: aioredis.client.Pipeline,
+    keys: Keys,
+    worker_id: str,
+    fields: SchedulerBeat | Beat,
+    kind: WorkerKind = SCHEDULER,
+) -> None:
     """Queue the beat: the hash (stamped now) and its expiry."""
-    key = keys.heartbeat(SCHEDULER, worker_id)
+    key = keys.heartbeat(kind, worker_id)
     stamped = msgspec.structs.replace(fields, updated_at=time.time())
     pipe.hset(key, mapping=msgspec.structs.asdict(stamped))
     pipe.expire(key, HEARTBEAT_TTL_S)

@@ -17,11 +17,15 @@ ABORT_TTL_S = 600
 RID_CLAIM_TTL_S = LIVE_STATE_TTL_S
 HEARTBEAT_TTL_S = 10
 HEARTBEAT_EVERY_S = 2.0
+# A response's SSE event log lives as long as its request state (replay after re-attach).
+EVENTS_TTL_S = STATE_TTL_S
 
 # Streams are trimmed approximately to this many entries (MAXLEN ~).
 REQUEST_STREAM_MAXLEN = 100_000
 
 SCHEDULER_GROUP = "schedulers"
+# Dead letters (jobs delivered more than max_deliveries times) are trimmed to this many.
+DEAD_LETTER_MAXLEN = 10_000
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,11 @@ class Keys:
     def request_stream(self) -> str:
         """Stream of GenerateJob entries; consumer group SCHEDULER_GROUP."""
         return f"{self.prefix}:req"
+
+    @property
+    def dead_letters(self) -> str:
+        """Stream of jobs given up on: the job's fields plus `rid`, `reason`, `deliveries`."""
+        return f"{self.prefix}:req:dlq"
 
     # -- channels --------------------------------------------------------------------------
     def token_channel(self, shard: int) -> str:
@@ -65,12 +74,24 @@ class Keys:
         """Exists while `rid` is aborted (written before any local state is dropped)."""
         return f"{self.prefix}:abort:{rid}"
 
+    def events(self, rid: str) -> str:
+        """List of the SSE events a streaming response sent (event id = index), for replay."""
+        return f"{self.prefix}:events:{rid}"
+
     # -- workers ---------------------------------------------------------------------------
     def heartbeat(self, kind: str, worker_id: str) -> str:
         return f"{self.prefix}:worker:{kind}:{worker_id}"
 
     def heartbeat_pattern(self, kind: str) -> str:
         return f"{self.prefix}:worker:{kind}:*"
+
+    def api_requests(self, api_id: str) -> str:
+        """Set of the live rids whose client an api replica holds (its orphans if it dies)."""
+        return f"{self.prefix}:api:{api_id}:rids"
+
+    def shard_lease(self, shard: int) -> str:
+        """String (SET NX PX): the detokenizer that owns token shard `shard` until it expires."""
+        return f"{self.prefix}:lease:tok:{shard}"
 
 
 def shard_of(rid: str, num_shards: int) -> int:

@@ -6,7 +6,7 @@ Every message has `v`; a decoder refuses a newer major version with ProtocolVers
 - request stream  `req`          : GenerateJob                      (api -> scheduler)
 - token channel   `tok:{shard}`  : TokenBatch, one per scheduler step (scheduler -> detokenizer)
 - output channel  `out:{api_id}` : TextBatch, one per detokenizer batch (detokenizer -> api)
-- control channel `ctl`          : AbortRequests                    (anyone -> everyone)
+- control channel `ctl`          : AbortRequests | Reattach         (anyone -> everyone)
 Per-request entries carry `rid`, `epoch` (owner fencing token) and `seq` (index of the entry's
 first new token) so receivers can drop stale owners and detect gaps or duplicates.
 """
@@ -148,10 +148,19 @@ class AbortRequests(msgspec.Struct, tag="abort", omit_defaults=True):
     v: int = PROTOCOL_VERSION
 
 
+class Reattach(msgspec.Struct, tag="reattach", omit_defaults=True):
+    """`rids`' clients are now held by `api_id` (state:{rid}.api_id already says so): route
+    their output there from now on."""
+
+    rids: list[str]
+    api_id: str
+    v: int = PROTOCOL_VERSION
+
+
 StreamMessage = GenerateJob
 TokenMessage = TokenBatch
 OutputMessage = TextBatch
-ControlMessage = AbortRequests
+ControlMessage = AbortRequests | Reattach
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}

@@ -43,9 +43,10 @@ HEALTH = {"redis_url", "key_prefix", "api.port"}
 DESCRIBED_DEFAULTS = {
     "api.api_id": "host name + random suffix",
     "scheduler.worker_id": "host name + random suffix",
+    "detokenizer.worker_id": "host name + random suffix",
     "api.served_model_name": "the model's file or folder name",
     "api.api_keys": "none: no authentication",
-    "detokenizer.shards": "all",
+    "detokenizer.shards": "a fair share",
 }
 
 
@@ -154,7 +155,8 @@ def test_the_detokenizer_flags_map_onto_settings() -> None:
     assert settings.detokenizer.max_states == 10
     assert settings.num_token_shards == 4
     default = settings_from_args(build_parser().parse_args(["detokenizer"]))
-    assert default.detokenizer == DetokenizerSettings()
+    fresh = DetokenizerSettings(worker_id=default.detokenizer.worker_id)  # random per process
+    assert default.detokenizer == fresh
 
 
 @pytest.mark.parametrize(
