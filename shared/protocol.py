@@ -150,10 +150,13 @@ class AbortRequests(msgspec.Struct, tag="abort", omit_defaults=True):
 
 class Reattach(msgspec.Struct, tag="reattach", omit_defaults=True):
     """`rids`' clients are now held by `api_id` (state:{rid}.api_id already says so): route
-    their output there from now on."""
+    their output there from now on. `from_seqs` (parallel to `rids`, -1 = none) asks the
+    detokenizer to send the text again from that seq on: what the replica missed (a dead
+    replica's last entries, or a gap after pub/sub dropped messages)."""
 
     rids: list[str]
     api_id: str
+    from_seqs: list[int] = []
     v: int = PROTOCOL_VERSION
 
 
