@@ -1,4 +1,4 @@
-"""`redserve up | api | scheduler | detokenizer | health`: flags map onto shared.config.Settings.
+"""`redserve up | api | scheduler | detokenizer | health | dlq`: flags map onto `Settings`.
 
 Each tier's subcommand takes the flags of its own `Settings` section (`api.*`, `scheduler.*`,
 `detokenizer.*`) and the top-level settings that tier reads; `up` runs every tier on one machine,
@@ -219,6 +219,9 @@ _TOP_LEVEL_TIERS: dict[str, tuple[str, ...]] = {
 # `health` checks this host's api (GET on api.port) or scheduler (a heartbeat key in Redis).
 _HEALTH_FLAGS = ("--redis-url", "--key-prefix", "--port")
 
+# `dlq` reads and writes the dead-letter and request streams.
+_DLQ_FLAGS = ("--redis-url", "--key-prefix")
+
 # Defaults that are not one literal value: what a default_factory (or None) stands for.
 _DERIVED_DEFAULTS: dict[str, str] = {
     "api.api_id": "host name + random suffix",
@@ -291,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help=health_help, description=health_help, epilog=_EPILOG)
     health.add_argument("tier", choices=["api", "scheduler"], help="the tier to check")
     _add_groups(health, [f for f in FLAGS if f.name in _HEALTH_FLAGS])
+    dlq_help = "list, retry (requeue) or purge the jobs given up on after too many deliveries"
+    dlq = sub.add_parser("dlq", help=dlq_help, description=dlq_help, epilog=_EPILOG)
+    dlq.add_argument("action", choices=["list", "retry", "purge"])
+    dlq.add_argument("rid", nargs="?", help="the request to requeue (retry only)")
+    _add_groups(dlq, [f for f in FLAGS if f.name in _DLQ_FLAGS])
     return parser
 
 
@@ -382,6 +390,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         from redserve.health import check
 
         sys.exit(check(settings, args.tier))
+    if args.command == "dlq":
+        from redserve import dlq
+
+        if args.action == "retry" and not args.rid:
+            parser.error("dlq retry needs the RID to requeue")
+        sys.exit(dlq.run(settings, args.action, args.rid))
     _tier_main(args.command)(settings)
 
 

@@ -22,6 +22,10 @@ from shared.model_files import resolve_model
 logger = logging.getLogger(__name__)
 
 TIERS = ("scheduler", "detokenizer", "api")
+# Stopping: schedulers drain first (their running requests finish while the api and the
+# detokenizer still carry the output), then the api (its in-flight requests end), then the
+# detokenizer. Each gets its own time: a scheduler's is its drain time and then some.
+STOP_ORDER = ("scheduler", "api", "detokenizer")
 
 
 def start_tiers(
@@ -41,14 +45,17 @@ def start_tiers(
     return procs
 
 
-def stop_tiers(procs: dict[str, subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
-    for proc in procs.values():
+def stop_tiers(
+    procs: dict[str, subprocess.Popen[bytes]], timeout_s: float = 10.0, drain_s: float = 30.0
+) -> None:
+    """SIGTERM each tier in STOP_ORDER and wait for it (`timeout_s` each, the scheduler
+    `drain_s` more: its drain time), killing one that does not stop in time."""
+    for tier in sorted(procs, key=lambda t: STOP_ORDER.index(t) if t in STOP_ORDER else 99):
+        proc = procs[tier]
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for tier, proc in procs.items():
         try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
+            proc.wait(timeout_s + (drain_s if tier == "scheduler" else 0))
         except subprocess.TimeoutExpired:
             logger.warning("%s did not stop in time; killing it", tier)
             proc.kill()
@@ -108,7 +115,7 @@ def up(settings: Settings) -> None:
     except KeyboardInterrupt:
         logger.info("stopping")
     finally:
-        stop_tiers(procs)
+        stop_tiers(procs, drain_s=settings.scheduler.drain_s)
         if redis:
             redis.stop()
     sys.exit(code)

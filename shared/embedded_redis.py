@@ -28,8 +28,9 @@ def free_port() -> int:
 class EmbeddedRedis:
     """Start with `start()`, stop with `stop()`; `url` is valid in between."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, appendonly: bool = False) -> None:
         self.port = port
+        self.appendonly = appendonly  # AOF (fsync every second): data survives a restart
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -38,8 +39,10 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> str:
+        """Start the server (again, on the same port and data folder, after `kill`)."""
         self.port = self.port or free_port()
-        self._dir = tempfile.TemporaryDirectory(prefix="redserve-redis-")
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="redserve-redis-")
         args = [
             redis_server_binary(),
             "--port",
@@ -49,7 +52,7 @@ class EmbeddedRedis:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.appendonly else "no",
             "--dir",
             self._dir.name,
         ]
@@ -66,6 +69,12 @@ class EmbeddedRedis:
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError("redis-server did not answer PING in time")
+
+    def kill(self) -> None:
+        """kill -9 the server, keeping its data folder for a `start` again."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

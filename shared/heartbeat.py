@@ -51,6 +51,18 @@ def beat(
     pipe.expire(key, HEARTBEAT_TTL_S)
 
 
+async def remove(r: aioredis.Redis, keys: Keys, worker_id: str, kind: WorkerKind) -> None:
+    """Forget a worker that stops cleanly (so nobody waits for its beat to expire)."""
+    await r.delete(keys.heartbeat(kind, worker_id))
+
+
+def forget(
+    pipe: aioredis.client.Pipeline, keys: Keys, worker_id: str, kind: WorkerKind = SCHEDULER
+) -> None:
+    """Queue the deletion of a worker's beat: a clean stop is seen at once, not a TTL later."""
+    pipe.delete(keys.heartbeat(kind, worker_id))
+
+
 async def read(r: aioredis.Redis, keys: Keys, worker_id: str) -> SchedulerBeat | None:
     """A scheduler's last beat, or None once it expired (or never beat)."""
     raw: dict[bytes, bytes] = await r.hgetall(keys.heartbeat(SCHEDULER, worker_id))  # type: ignore[misc]

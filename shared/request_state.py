@@ -1,4 +1,5 @@
-"""The only module that touches per-request keys: state hash, id log, abort marker.
+"""Per-request keys: state hash, id log, abort marker (an owner's fenced writes to them live in
+shared.ownership).
 
 Request ids are unique fleet-wide: the api claims `rid:{rid}` (SET NX) before it creates any
 state, and releases the claim when the request ends.
@@ -94,6 +95,15 @@ def finish(
     pipe.hset(keys.state(rid), mapping=mapping)
     pipe.expire(keys.state(rid), STATE_TTL_S)
     pipe.expire(keys.ids(rid), STATE_TTL_S)
+
+
+def requeue(pipe: Pipe, keys: Keys, rid: str) -> None:
+    """Make `rid` a queued request again (an operator retries its dead letter): its output
+    and abort marker are dropped, the epoch goes on counting."""
+    pipe.delete(keys.ids(rid), keys.abort(rid))
+    pipe.hdel(keys.state(rid), "finish_reason", "finished_at")
+    pipe.hset(keys.state(rid), mapping=_fields(status="queued", completion_tokens=0))
+    pipe.expire(keys.state(rid), LIVE_STATE_TTL_S)
 
 
 def abort(pipe: Pipe, keys: Keys, rids: Iterable[str]) -> None:

@@ -1,9 +1,13 @@
 """The scheduler loop: the thin async shell between Redis and the core + model runner.
 
-Reads GenerateJob entries from the request stream (only as many as there is room for),
-listens for AbortRequests on the control channel, and after every model step sends ONE
-Redis transaction: a TokenBatch per token shard touched, the id log appends, finished
-requests' state and acks, the abort check of every live request, and the heartbeat.
+Reads GenerateJob entries from the request stream (only as many as there is room for) and
+every `reclaim_every_s` takes over those of dead schedulers; owns each through
+shared.ownership (a new owner epoch) and resumes it from its id log. Listens for
+AbortRequests on the control channel. After every model step it sends ONE Redis transaction:
+the fenced step script (a TokenBatch per token shard touched, the id log appends, finished
+requests' state and acks), the abort check of every live request and, when due, the heartbeat
+and the renewal of its pending entries. On stop() it drains: no new jobs, running requests
+finish for up to `drain_s`, the rest is handed over at once.
 """
 
 from __future__ import annotations
@@ -11,26 +15,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from typing import Protocol
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared import heartbeat, protocol, request_state, request_stream
+from shared import heartbeat, ownership, protocol, request_state, request_stream
 from shared.config import Settings
-from shared.keys import HEARTBEAT_EVERY_S, Keys, shard_of
-from workers.scheduler.core.scheduler import ABORTED, Scheduler
-from workers.scheduler.core.sequence import Sequence, SequenceStatus
+from shared.keys import HEARTBEAT_EVERY_S, Keys
+from workers.scheduler.core.scheduler import Scheduler
+from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.intake import Disposition, take
+from workers.scheduler.step_writes import current_batches, step_writes
 
 logger = logging.getLogger(__name__)
 
-# A Redis that stays away this long is gone for good: exit and let the supervisor restart us.
-RECONNECT_GIVE_UP_S = 60.0
 MAX_BACKOFF_S = 2.0
 STATS_EVERY_S = 10.0
+# Redis replies that mean "not now" (full, loading, restarted without our group), not a bug.
+_TRANSIENT_REPLIES = ("OOM", "LOADING", "NOGROUP", "MISCONF", "READONLY", "MASTERDOWN")
 
 Job = tuple[bytes, protocol.GenerateJob | None]
 
@@ -40,6 +46,13 @@ class ModelRunner(Protocol):
         """Computes each sequence's `num_new_tokens` (its KV cache slots are assigned) and
         returns the next token id of each one with `will_sample`, in order."""
         ...
+
+
+def is_transient(error: RedisError) -> bool:
+    """Whether `error` is Redis being away or unable to serve for a while."""
+    if isinstance(error, (RedisConnectionError, RedisTimeoutError)):
+        return True
+    return isinstance(error, ResponseError) and any(r in str(error) for r in _TRANSIENT_REPLIES)
 
 
 class SchedulerLoop:
@@ -56,34 +69,37 @@ class SchedulerLoop:
         self.worker_id = settings.scheduler.worker_id
         self._pubsub: aioredis.client.PubSub | None = None
         self._abort_rids: set[str] = set()  # applied at the start of the next step
-        self._inbox: list[Job] = []  # read, not yet admitted
+        self._inbox: list[Job] = []  # read or reclaimed, not owned yet
         # Sequences whose new ids or finish are not in Redis yet. They stay here until a step's
         # transaction succeeds, so a failed one is simply sent again by the next.
         self._outbox: dict[str, Sequence] = {}
-        self._to_mark: list[Sequence] = []  # admitted, state not marked running yet
-        self._to_ack: list[bytes] = []  # undecodable entries
+        self._to_ack: list[bytes] = []  # undecodable entries, and jobs someone else finished
         self._batch_changed = True
         self._last_heartbeat = 0.0
+        self._last_reclaim = float("-inf")
+        self._reclaim_cursor = b"0-0"
         self._stats = (time.monotonic(), 0)  # since, tokens generated
         self._stopping = False
+        self._drain_until: float | None = None
 
     # -- running ---------------------------------------------------------------------------
     def stop(self) -> None:
+        """Drain and return (safe from a signal handler): see the module docstring."""
         self._stopping = True
 
     async def run(self, burst: bool = False) -> None:
-        """Serve until stop(); with `burst`, until nothing is queued or running. Rides out a
-        Redis outage with backoff and raises once it lasts RECONNECT_GIVE_UP_S."""
+        """Serve until stop() has drained; with `burst`, until nothing is queued or running.
+        Rides out Redis outages (and a full Redis) with backoff, however long they last."""
         failing_since: float | None = None
         try:
-            while not self._stopping:
+            while not self._drained_for_stop():
                 try:
                     did_work = await self.run_once()
-                except (RedisConnectionError, RedisTimeoutError) as e:
+                except RedisError as e:
+                    if not is_transient(e):
+                        raise
                     now = time.monotonic()
                     failing_since = failing_since or now
-                    if now - failing_since > RECONNECT_GIVE_UP_S:
-                        raise
                     logger.warning("redis unavailable (%s); retrying", e)
                     await self._drop_pubsub()
                     await asyncio.sleep(min(MAX_BACKOFF_S, 0.1 + (now - failing_since) / 4))
@@ -91,8 +107,31 @@ class SchedulerLoop:
                 failing_since = None
                 if burst and not did_work and self.is_drained:
                     return
+            await self._hand_over()
         finally:
             await self._drop_pubsub()
+
+    def _drained_for_stop(self) -> bool:
+        if not self._stopping:
+            return False
+        now = time.monotonic()
+        if self._drain_until is None:
+            self._drain_until = now + self.settings.scheduler.drain_s
+            logger.info("stopping: draining %d requests", len(self.core.unfinished))
+        return self.is_drained or now >= self._drain_until
+
+    async def _hand_over(self) -> None:
+        """Make what is left claimable by another scheduler now, and stop beating."""
+        rest = self._owned_entry_ids()
+        idle_ms = int(self.settings.scheduler.reclaim_min_idle_s * 1000) + 1000
+        try:
+            await ownership.hand_over(self.redis, self.keys, self.worker_id, rest, idle_ms)
+            await heartbeat.remove(self.redis, self.keys, self.worker_id, heartbeat.SCHEDULER)
+        except RedisError as e:  # they are reclaimed once idle anyway
+            logger.warning("could not hand over %d jobs: %s", len(rest), e)
+            return
+        if rest:
+            logger.info("handed over %d unfinished jobs", len(rest))
 
     async def aclose(self) -> None:
         await self._drop_pubsub()
@@ -108,7 +147,7 @@ class SchedulerLoop:
             await self._start()
         self._abort_rids |= await self._drain_control()
         self._apply_aborts()
-        num_read = await self._take_jobs()
+        num_taken = await self._take_jobs()
         seqs = self.core.schedule()
         if seqs:
             samplers = [seq for seq in seqs if seq.will_sample]  # a partial chunk has no news
@@ -118,7 +157,7 @@ class SchedulerLoop:
             self._outbox.update((seq.rid, seq) for seq in samplers)
             self._log_stats(len(samplers))
         published = await self._flush()
-        return bool(num_read or seqs or published)
+        return bool(num_taken or seqs or published)
 
     async def _start(self) -> None:
         await request_stream.ensure_group(self.redis, self.keys)
@@ -132,7 +171,7 @@ class SchedulerLoop:
         if pubsub is not None:
             try:
                 await pubsub.aclose()
-            except RedisConnectionError:
+            except RedisError:
                 pass
 
     # -- aborts ----------------------------------------------------------------------------
@@ -163,54 +202,82 @@ class SchedulerLoop:
 
     # -- new jobs --------------------------------------------------------------------------
     async def _take_jobs(self) -> int:
-        """Read at most as many jobs as the core has room for; block only when idle."""
+        """Take at most as many jobs as the core has room for: those of dead schedulers
+        first (every reclaim_every_s), then new ones; block only when idle. None once
+        stopping."""
         free = self.core.num_free_slots() - len(self._inbox)
-        num_read = 0
-        if free > 0:
-            block_ms = self.settings.scheduler.idle_block_ms if self.is_drained else None
-            jobs = await request_stream.read(self.redis, self.keys, self.worker_id, free, block_ms)
+        num_taken = 0
+        if free > 0 and not self._stopping:
+            jobs = await self._reclaim(free)
+            free -= len(jobs)
+            if free > 0:
+                idle = self.is_drained and not jobs
+                block_ms = self.settings.scheduler.idle_block_ms if idle else None
+                jobs += await request_stream.read(
+                    self.redis, self.keys, self.worker_id, free, block_ms
+                )
             self._inbox += jobs
-            num_read = len(jobs)
+            num_taken = len(jobs)
         if self._inbox:
             await self._admit()
-        return num_read
+        return num_taken
+
+    async def _reclaim(self, count: int) -> list[Job]:
+        now = time.monotonic()
+        sched = self.settings.scheduler
+        if now - self._last_reclaim < sched.reclaim_every_s:
+            return []
+        self._last_reclaim = now
+        min_idle_ms = int(sched.reclaim_min_idle_s * 1000)
+        self._reclaim_cursor, jobs = await request_stream.reclaim(
+            self.redis, self.keys, self.worker_id, min_idle_ms, count, self._reclaim_cursor
+        )
+        if jobs:
+            logger.info("reclaimed %d jobs of dead schedulers", len(jobs))
+        return jobs
 
     async def _admit(self) -> None:
-        rids = [job.rid for _entry_id, job in self._inbox if job is not None]
-        aborted = await self._aborted_among(rids)
-        jobs, self._inbox = self._inbox, []
-        for entry_id, job in jobs:
-            if job is None:
-                self._to_ack.append(entry_id)
-                continue
-            seq = Sequence(
-                job.rid,
-                job.input_ids,
-                job.sampling,
-                epoch=1,
-                entry_id=entry_id,
-                detok=job.detok,
-                logprobs=job.logprobs,
-                embed=job.embed,
-            )
-            if job.rid in aborted:
-                seq.status, seq.finish = SequenceStatus.FINISHED, ABORTED
-            elif (reason := self.core.add(seq)) is None:
-                logger.debug("rid=%s admitted, %d prompt tokens", seq.rid, seq.num_prompt_tokens)
-                self._to_mark.append(seq)
-                self._batch_changed = True
-                continue
-            elif reason.type == "abort":
-                logger.warning("rid=%s rejected: %s", seq.rid, reason.message)
-            self._outbox[seq.rid] = seq
-
-    async def _aborted_among(self, rids: list[str]) -> set[str]:
-        if not rids:
-            return set()
+        """Own each job in the inbox (a new epoch) and act on what that found."""
+        jobs = [(entry_id, job) for entry_id, job in self._inbox if job is not None]
         pipe = self.redis.pipeline(transaction=False)
-        request_state.query_aborted(pipe, self.keys, rids)
-        hits = await pipe.execute()
-        return {rid for rid, hit in zip(rids, hits, strict=True) if hit}
+        for entry_id, job in jobs:
+            ownership.own(pipe, self.keys, self.worker_id, entry_id, job.rid)
+        replies = await pipe.execute() if jobs else []
+        self._to_ack += [entry_id for entry_id, job in self._inbox if job is None]
+        self._inbox = []
+        dead = self.redis.pipeline(transaction=False)
+        max_deliveries = self.settings.scheduler.max_deliveries
+        for (entry_id, job), reply in zip(jobs, replies, strict=True):
+            intake = take(job, entry_id, ownership.owned(reply), max_deliveries)
+            if intake.disposition is Disposition.ACK:
+                self._to_ack.append(entry_id)
+            if intake.seq is None:
+                continue
+            seq = intake.seq
+            if intake.disposition is Disposition.DEAD:
+                logger.error("rid=%s dead-lettered: %s", seq.rid, intake.reason)
+                request_stream.dead_letter(dead, self.keys, job, intake.reason, intake.deliveries)
+            if intake.disposition is Disposition.RUN and self._add(seq):
+                continue
+            self._outbox[seq.rid] = seq
+        if len(dead):
+            await dead.execute()  # before the step that acks them
+
+    def _add(self, seq: Sequence) -> bool:
+        """Hand `seq` to the core; False when it ended at once (bad request, nothing to do)."""
+        reason = self.core.add(seq)
+        if reason is None:
+            logger.debug("rid=%s admitted at epoch %d, resumed at %d tokens",
+                         seq.rid, seq.epoch, seq.num_resumed)  # fmt: skip
+            self._batch_changed = True
+            return True
+        if reason.type == "abort":
+            logger.warning("rid=%s rejected: %s", seq.rid, reason.message)
+        return False
+
+    def _owned_entry_ids(self) -> list[bytes]:
+        seqs = [*self.core.unfinished, *self._outbox.values()]
+        return list(dict.fromkeys([seq.entry_id for seq in seqs] + [e for e, _ in self._inbox]))
 
     # -- output ----------------------------------------------------------------------------
     async def _flush(self) -> bool:
@@ -218,52 +285,44 @@ class SchedulerLoop:
         now = time.monotonic()
         heartbeat_due = self._batch_changed or now - self._last_heartbeat >= HEARTBEAT_EVERY_S
         live_rids = [seq.rid for seq in self.core.unfinished]
-        sends = bool(self._outbox or self._to_mark or self._to_ack)
+        sends = bool(self._outbox or self._to_ack)
         if not (sends or live_rids or heartbeat_due):
             return False
+        outbox = list(self._outbox.values())
+        steps, batches = step_writes(
+            outbox, self.worker_id, self.keys, self.settings.num_token_shards
+        )
         pipe = self.redis.pipeline(transaction=True)
-        for seq in self._to_mark:
-            request_state.mark_running(pipe, self.keys, seq.rid, self.worker_id, seq.epoch)
         for entry_id in self._to_ack:
             request_stream.ack(pipe, self.keys, entry_id)
-        self._queue_outputs(pipe)
+        step_at = len(pipe)
+        if steps:
+            ownership.publish_step(pipe, self.keys, steps, batches)
+        renew_at = -1
         if heartbeat_due:
             self._queue_heartbeat(pipe)
+            renew_at = len(pipe)
+            if not ownership.renew(pipe, self.keys, self.worker_id, self._owned_entry_ids()):
+                renew_at = -1
         first_query = len(pipe)
         request_state.query_aborted(pipe, self.keys, live_rids)
         results = await pipe.execute()
-        self._committed()
+        stale, unsent = ownership.step_result(results[step_at]) if steps else (set(), [])
+        lost = {bytes(e) for e in results[renew_at]} if renew_at >= 0 else set()
+        await self._publish(current_batches(self.worker_id, steps, batches, unsent, stale))
+        self._committed(outbox, stale, lost)
         if heartbeat_due:
             self._last_heartbeat, self._batch_changed = now, False
         hits = results[first_query:]
         self._abort_rids.update(rid for rid, hit in zip(live_rids, hits, strict=True) if hit)
         return sends
 
-    def _queue_outputs(self, pipe: aioredis.client.Pipeline) -> None:
-        """The outbox's news: a TokenBatch per shard, the id log appends, and for finished
-        requests their final state and the ack."""
-        batches: dict[int, list[protocol.TokenEntry]] = defaultdict(list)
-        for seq in self._outbox.values():
-            entry = token_entry(seq)
-            batches[shard_of(seq.rid, self.settings.num_token_shards)].append(entry)
-            request_state.append_ids(pipe, self.keys, seq.rid, entry.token_ids)
-        for shard, entries in batches.items():
-            batch = protocol.TokenBatch(worker_id=self.worker_id, entries=entries)
-            pipe.publish(self.keys.token_channel(shard), protocol.encode(batch))
-        # Invariant 1: finish and ack only in the transaction that carries the last output.
-        for seq in self._outbox.values():
-            if not seq.is_finished:
-                continue
-            assert seq.finish is not None
-            request_state.finish(
-                pipe,
-                self.keys,
-                seq.rid,
-                seq.finish,
-                seq.num_completion_tokens,
-                seq.num_cached_tokens,
-            )
-            request_stream.ack(pipe, self.keys, seq.entry_id)
+    async def _publish(self, batches: list[tuple[str, bytes]]) -> None:
+        if batches:
+            pipe = self.redis.pipeline(transaction=False)
+            for channel, payload in batches:
+                pipe.publish(channel, payload)
+            await pipe.execute()
 
     def _queue_heartbeat(self, pipe: aioredis.client.Pipeline) -> None:
         bm = self.core.block_manager
@@ -275,19 +334,24 @@ class SchedulerLoop:
         )
         heartbeat.beat(pipe, self.keys, self.worker_id, beat)
 
-    def _committed(self) -> None:
-        for seq in self._outbox.values():
+    def _committed(self, sent: list[Sequence], stale: set[int], lost: set[bytes]) -> None:
+        """After a step's transaction: advance what was published; drop the requests that
+        another scheduler owns now (stale epoch, or their entry taken over)."""
+        gone = {sent[i].rid for i in stale}
+        gone |= {seq.rid for seq in self.core.unfinished if seq.entry_id in lost}
+        for i, seq in enumerate(sent):
+            if i in stale:
+                continue
             seq.num_published = seq.num_completion_tokens
             if seq.is_finished:
                 assert seq.finish is not None
-                logger.info(
-                    "rid=%s finished (%s) after %d tokens",
-                    seq.rid,
-                    seq.finish.type,
-                    seq.num_completion_tokens,
-                )
+                logger.info("rid=%s finished (%s) after %d tokens",
+                            seq.rid, seq.finish.type, seq.num_completion_tokens)  # fmt: skip
+        if gone:
+            logger.warning("lost ownership of %d requests (rid=%s): dropped", len(gone),
+                           next(iter(gone)))  # fmt: skip
+            self.core.abort(gone)
         self._outbox.clear()
-        self._to_mark.clear()
         self._to_ack.clear()
 
     def _log_stats(self, num_tokens: int) -> None:
@@ -307,26 +371,3 @@ class SchedulerLoop:
             bm.num_total_blocks,
         )
         self._stats = (now, 0)
-
-
-def token_entry(seq: Sequence) -> protocol.TokenEntry:
-    """What `seq` has not published yet, as one wire entry: its new ids from `seq`
-    num_published on, their logprobs, and with the first entry its detokenizer params and
-    prompt logprobs; with the last, its finish and embedding."""
-    new_ids = seq.unpublished_ids()
-    lp, first = seq.logprobs, seq.num_published
-    # Prompt logprobs ride on the first entry that carries tokens (or the finish).
-    first_out = first == 0 and bool(new_ids or seq.finish)
-    return protocol.TokenEntry(
-        rid=seq.rid,
-        epoch=seq.epoch,
-        seq=first,
-        token_ids=new_ids,
-        prompt_tokens=seq.num_prompt_tokens,
-        finish=seq.finish,
-        cached_tokens=seq.num_cached_tokens,
-        detok=seq.detok if first == 0 else None,
-        output_logprobs=lp.output_slice(first, first + len(new_ids)) if lp else None,
-        input_logprobs=lp.input if lp and first_out else None,
-        embedding=seq.embedding if seq.is_finished else None,
-    )

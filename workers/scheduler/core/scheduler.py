@@ -93,8 +93,11 @@ class Scheduler:
             )
         if seq.sampling.max_new_tokens < 0:
             return _bad_request("max_new_tokens must be at least 0.")
-        if seq.sampling.max_new_tokens == 0 and not seq.embed:
-            return FinishReason(type="length", length=0)
+        done = seq.num_completion_tokens  # > 0 for a request resumed after its owner died
+        if done >= seq.sampling.max_new_tokens and not seq.embed:
+            return FinishReason(type="length", length=seq.sampling.max_new_tokens)
+        if done and len(seq) >= self.max_model_len:
+            return FinishReason(type="length", length=done)
         return None
 
     def num_free_slots(self) -> int:

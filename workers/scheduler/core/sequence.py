@@ -48,8 +48,10 @@ class Sequence:
         self.epoch = epoch
         self.entry_id = entry_id  # the stream entry to ack once the request finished
         self.detok = detok
-        # How many output ids already went out on the token channel (the next entry's seq).
+        # How many output ids already went out on the token channel (the next entry's seq),
+        # and how many there were when this owner took the request (resume, below).
         self.num_published = 0
+        self.num_resumed = 0
         self.finish: FinishReason | None = None
         # Outputs besides the token ids (filled by the model runner).
         self.logprobs = LogprobState(logprobs, len(prompt_ids)) if logprobs else None
@@ -87,6 +89,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def resume(self, output_ids: list[int]) -> None:
+        """Continue after `output_ids`, the output a previous owner already published: they
+        are prefilled with the prompt (the prefix cache helps) and not published again."""
+        self.token_ids += output_ids
+        self.num_published = self.num_resumed = len(output_ids)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -1,0 +1,231 @@
+"""Schedulers dying, freezing, stopping and failing on real processes: the client's text is
+the no-fault text, and the invariants hold after each case (tests/support/fleet.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from shared import request_stream
+from shared.keys import SCHEDULER_GROUP
+from shared.redis_conn import connect
+from tests.support.fleet import (
+    Fleet,
+    Tap,
+    assert_invariants,
+    completion,
+    finishes,
+    stream_events,
+    text_of,
+)
+
+pytestmark = [pytest.mark.faults, pytest.mark.model]
+
+PROMPT = "The history of the printing press begins"
+NUM_TOKENS = 40
+SCHEDULERS = ("sched-a", "sched-b")
+# Shorter than the rest of a request: SIGTERM hands it over instead of finishing it.
+DRAIN = {"REDSERVE_SCHEDULER__DRAIN_S": "0.3"}
+
+
+@pytest.fixture(scope="module")
+def stack(fleet: Fleet) -> Fleet:
+    fleet.start("detok", "detokenizer")
+    fleet.start("api", "api")
+    for name in SCHEDULERS:
+        fleet.start(name, "scheduler", wait=False, env=DRAIN)
+    for name in SCHEDULERS:
+        fleet.wait_ready(name, "scheduler")
+    return fleet
+
+
+@pytest.fixture(scope="module")
+def reference(stack: Fleet) -> str:
+    """The no-fault text of the request every case sends."""
+    resp = httpx.post(stack.url() + "/v1/completions", json=completion(PROMPT, NUM_TOKENS),
+                      timeout=120)  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["text"])
+
+
+@pytest.fixture
+def tap(stack: Fleet) -> Iterator[Tap]:
+    tap = Tap(stack)
+    yield tap
+    tap.close()
+
+
+def _rid() -> str:
+    return f"fault-{uuid.uuid4().hex[:8]}"
+
+
+def _stream_until(
+    stack: Fleet, rid: str, num_events: int
+) -> tuple[Iterator[dict[str, Any]], list[dict[str, Any]]]:
+    """Start a streaming request and read its first `num_events` text events."""
+    events: list[dict[str, Any]] = []
+    stream = stream_events(stack.url(), completion(PROMPT, NUM_TOKENS, rid=rid))
+    for event in stream:
+        events.append(event)
+        if sum(bool(c["text"]) for e in events for c in e["choices"]) >= num_events:
+            break
+    return stream, events
+
+
+def _restart_missing_schedulers(stack: Fleet) -> None:
+    for name in SCHEDULERS:
+        if name not in stack.procs:
+            stack.start(name, "scheduler", env=DRAIN)
+
+
+def test_a_killed_schedulers_stream_resumes_on_another_with_the_same_text(
+    stack: Fleet, reference: str, tap: Tap
+) -> None:
+    rid = _rid()
+    stream, events = _stream_until(stack, rid, 5)
+    owner = stack.worker_of(rid)
+    assert owner in SCHEDULERS
+    stack.kill(owner)  # kill -9
+    events += list(stream)
+
+    assert text_of(events) == reference
+    assert finishes(events) == ["length"]
+    state = stack.redis().hgetall(stack.keys.state(rid))
+    assert state["status"] == "finished" and state["epoch"] == "2" and state["worker"] != owner
+    assert stack.redis().llen(stack.keys.ids(rid)) == NUM_TOKENS
+    assert_invariants(stack, tap)
+    _restart_missing_schedulers(stack)
+
+
+def test_with_no_scheduler_alive_jobs_wait_for_the_next_one(
+    stack: Fleet, reference: str, tap: Tap
+) -> None:
+    rid = _rid()
+    stream, events = _stream_until(stack, rid, 3)
+    owner = stack.worker_of(rid)
+    assert owner is not None
+    other = next(name for name in SCHEDULERS if name != owner)
+    assert stack.stop(other) == 0  # idle: exits at once
+    stack.kill(owner)
+    time.sleep(1)
+    stack.start(owner, "scheduler", wait=False, env=DRAIN)  # a new process, the same name
+    events += list(stream)
+
+    assert text_of(events) == reference
+    assert_invariants(stack, tap)
+    _restart_missing_schedulers(stack)
+
+
+def test_a_frozen_scheduler_that_wakes_up_publishes_nothing_for_the_request_it_lost(
+    stack: Fleet, reference: str, tap: Tap
+) -> None:
+    rid = _rid()
+    stream, events = _stream_until(stack, rid, 5)
+    owner = stack.worker_of(rid)
+    assert owner is not None
+    stack.signal(owner, signal.SIGSTOP)  # past the reclaim time: the other takes it over
+    owner_woke = False
+    try:
+        for event in stream:
+            events.append(event)
+            if not owner_woke and stack.worker_of(rid) != owner:
+                stack.signal(owner, signal.SIGCONT)  # wakes up with the request still in hand
+                owner_woke = True
+    finally:
+        stack.signal(owner, signal.SIGCONT)
+
+    assert owner_woke
+    assert text_of(events) == reference
+    assert finishes(events) == ["length"]
+    time.sleep(1)  # the woken owner's next steps are refused
+    assert stack.alive()[owner], "the woken scheduler must not crash"
+    assert_invariants(stack, tap)
+    assert {e.epoch for e in tap.of(rid)} <= {1, 2}
+
+
+def test_sigterm_drains_then_hands_the_rest_over_at_once(
+    stack: Fleet, reference: str, tap: Tap
+) -> None:
+    rid = _rid()
+    stream, events = _stream_until(stack, rid, 3)
+    owner = stack.worker_of(rid)
+    assert owner is not None
+    stopped_at = time.monotonic()
+    code = stack.stop(owner)  # its drain (DRAIN_S) is too short for the rest of the request
+    events += list(stream)
+    took_s = time.monotonic() - stopped_at
+
+    assert code == 0
+    assert text_of(events) == reference
+    # At once: well before a dead owner's jobs become claimable (reclaim_min_idle_s, 12 s).
+    assert took_s < 10, took_s
+    assert_invariants(stack, tap)
+    _restart_missing_schedulers(stack)
+
+
+def test_a_job_delivered_too_often_is_dead_lettered_and_its_client_told(stack: Fleet) -> None:
+    r = stack.redis()
+    keys = stack.keys
+    for name in SCHEDULERS:  # hold the schedulers so that a ghost gets the job first
+        stack.signal(name, signal.SIGSTOP)
+    rid = _rid()
+    try:
+        with httpx.Client(timeout=120) as client:
+            pending = client.build_request(
+                "POST", stack.url() + "/v1/completions", json=completion(PROMPT, 8, rid=rid)
+            )
+            resp_future = _send_in_thread(client, pending)
+            entry_id = _deliver_to_ghost(stack)
+            # As if three schedulers had died on it: the next delivery is one too many.
+            r.xclaim(keys.request_stream, SCHEDULER_GROUP, "ghost", 0, [entry_id], idle=60_000,
+                     retrycount=3, justid=True)  # fmt: skip
+            for name in SCHEDULERS:
+                stack.signal(name, signal.SIGCONT)
+            resp = resp_future()
+    finally:
+        for name in SCHEDULERS:
+            stack.signal(name, signal.SIGCONT)
+
+    assert resp.status_code == 500, resp.text
+    assert "4 deliveries" in resp.json()["error"]["message"]
+    letters = [info for _id, info in _dead_letters(stack) if info["rid"] == rid]
+    assert len(letters) == 1 and letters[0]["deliveries"] == "4"
+    assert r.hget(keys.state(rid), "status") == "aborted"
+    assert_invariants(stack)
+
+
+def _deliver_to_ghost(stack: Fleet) -> bytes:
+    r = redis.Redis.from_url(stack.server.url)  # bytes: the job is msgpack
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        got = r.xreadgroup(SCHEDULER_GROUP, "ghost", {stack.keys.request_stream: ">"}, count=1)
+        if got:
+            return bytes(got[0][1][0][0])
+        time.sleep(0.05)
+    raise AssertionError("the job never reached the stream")
+
+
+def _send_in_thread(client: httpx.Client, request: httpx.Request) -> Any:
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(client.send, request)
+    return lambda: future.result(timeout=120)
+
+
+def _dead_letters(stack: Fleet) -> list[tuple[bytes, dict[str, str]]]:
+    async def read() -> list[tuple[bytes, dict[str, str]]]:
+        r = connect(stack.server.url)
+        try:
+            return await request_stream.dead_letters(r, stack.keys)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(read())
