@@ -1,4 +1,5 @@
-"""DetokenizerLoop on fakeredis: token channel in, output channels out, control channel aborts."""
+"""DetokenizerLoop on fakeredis: token channels in (a lone detokenizer holds every shard),
+output channels out, control channel aborts."""
 
 from __future__ import annotations
 
@@ -179,7 +180,7 @@ async def test_unknown_rid_gets_api_id_from_request_state(
     assert got[0][1].entries[0].text == "after a restart"
 
 
-async def test_only_own_shards(
+async def test_only_shards_it_holds_a_lease_on(
     fake_server: fakeredis.FakeServer,
     fake_redis: aioredis.Redis,
     keys: Keys,
@@ -187,12 +188,12 @@ async def test_only_own_shards(
     outputs: PubSub,
     tokenizer: Tokenizer,
 ) -> None:
-    settings.detokenizer.shards = [1]
+    await fake_redis.set(keys.shard_lease(0), "another-detokenizer", px=60_000)
     worker = DetokenizerLoop(
         fakeredis.FakeAsyncRedis(server=fake_server), keys, settings, tokenizer
     )
-    assert worker.channels == [keys.token_channel(1), keys.control_channel]
     await worker.start()
+    assert worker.channels == [keys.token_channel(1), keys.control_channel]
     await publish(fake_redis, keys.token_channel(0), first("s0", [28]))
     await publish(fake_redis, keys.token_channel(1), first("s1", [28]))
     await worker.run(burst=True, idle_timeout=0.1)

@@ -9,16 +9,18 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from shared.protocol import DetokParams, FinishReason, TextEntry, TokenBatch, TokenEntry
+from shared.protocol import DetokParams, FinishReason, TextEntry, TokenBatch
+from tests.support.detok_core import API, LENGTH, add, encode, entry, joined, stream
 from workers.detokenizer.core import (
     REPLACEMENT,
     DetokenizerCore,
+    Fetched,
+    Needs,
     Tokenizer,
     find_first_stop,
     partial_stop_len,
 )
 
-API = "api-1"
 TEXTS = [
     "Hello, world! How are you doing today?",
     "🙂 hi 日本語 ok",
@@ -26,61 +28,11 @@ TEXTS = [
     "def f(x):\n\treturn x ** 2  # squares\n\n\nprint(f(3))",
     "  leading spaces and trailing  ",
 ]
-LENGTH = FinishReason(type="length", length=1)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
-
-
-def encode(tokenizer: Any, text: str) -> list[int]:
-    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
-    return ids
-
-
-def entry(
-    rid: str,
-    seq: int,
-    ids: list[int],
-    *,
-    epoch: int = 0,
-    finish: FinishReason | None = None,
-    params: DetokParams | None = None,
-) -> TokenEntry:
-    return TokenEntry(rid, epoch, seq, ids, prompt_tokens=5, finish=finish, detok=params)
-
-
-def add(core: DetokenizerCore, *entries: TokenEntry) -> dict[str, list[TextEntry]]:
-    return core.add_batch(TokenBatch(worker_id="w", entries=list(entries)))
-
-
-def stream(
-    core: DetokenizerCore,
-    ids: list[int],
-    *,
-    rid: str = "r",
-    params: DetokParams | None = None,
-    finish: FinishReason | None = LENGTH,
-    chunks: list[int] | None = None,
-) -> list[TextEntry]:
-    """Feed `ids` in chunks (default one token at a time); the last chunk carries `finish`."""
-    params = params or DetokParams(api_id=API)
-    sizes = chunks or [1] * len(ids)
-    out: list[TextEntry] = []
-    seq = 0
-    for i, size in enumerate(sizes):
-        is_last = i == len(sizes) - 1
-        e = entry(rid, seq, ids[seq : seq + size], finish=finish if is_last else None)
-        if seq == 0:
-            e.detok = params
-        out.extend(add(core, e).get(params.api_id, []))
-        seq += size
-    return out
-
-
-def joined(entries: list[TextEntry]) -> str:
-    return "".join(e.text for e in entries)
 
 
 # -- incremental decoding --------------------------------------------------------------------
@@ -233,15 +185,15 @@ def test_duplicate_and_overlapping_entries(tokenizer: Tokenizer) -> None:
     assert joined(first + overlap) == tokenizer.decode(ids[:4])
 
 
-def test_stale_epoch_dropped_and_higher_epoch_resets(tokenizer: Tokenizer) -> None:
+def test_stale_epoch_dropped_and_higher_epoch_continues(tokenizer: Tokenizer) -> None:
     ids, core, p = _ids(tokenizer), DetokenizerCore(tokenizer), DetokParams(api_id=API)
-    add(core, entry("r", 0, ids[:2], epoch=1, params=p))
+    first = add(core, entry("r", 0, ids[:2], epoch=1, params=p))[API]
     assert add(core, entry("r", 2, ids[2:3], epoch=0)) == {}
     state = core.get("r")
     assert state is not None and state.next_seq == 2
     resumed = add(core, entry("r", 2, ids[2:4], epoch=2, params=p))[API]
     assert resumed[0].epoch == 2 and resumed[0].seq == 2
-    assert resumed[0].text == tokenizer.decode(ids[2:4])
+    assert joined(first + resumed) == tokenizer.decode(ids[:4])
     assert add(core, entry("r", 4, ids[4:5], epoch=1)) == {}  # old owner woke up
     state = core.get("r")
     assert state is not None and state.epoch == 2 and state.next_seq == 4
@@ -265,7 +217,7 @@ def test_state_removed_on_finish_and_late_entries_dropped(tokenizer: Tokenizer) 
     assert add(core, entry("r", len(ids) - 1, ids[-1:], finish=LENGTH)) == {}
     # A replay of the whole request by the same owner (it carries params) is dropped too.
     assert add(core, entry("r", 0, ids, finish=LENGTH, params=DetokParams(api_id=API))) == {}
-    assert core.rids_missing_params(TokenBatch("w", [entry("r", 0, ids)])) == []
+    assert not core.needs(TokenBatch("w", [entry("r", 0, ids)]))
 
 
 def test_cap_evicts_least_recently_used(
@@ -280,13 +232,13 @@ def test_cap_evicts_least_recently_used(
     assert "rid=b evicted" in caplog.text
 
 
-def test_unknown_rid_needs_params_and_uses_fallback(tokenizer: Tokenizer) -> None:
+def test_unknown_rid_needs_its_state_and_uses_its_api_id(tokenizer: Tokenizer) -> None:
     ids, core = _ids(tokenizer), DetokenizerCore(tokenizer)
-    batch = TokenBatch("w", [entry("x", 3, ids[3:5])])
-    assert core.rids_missing_params(batch) == ["x"]
+    batch = TokenBatch("w", [entry("x", 0, ids[:2])])
+    assert core.needs(batch) == Needs(states=["x"])
     assert core.add_batch(batch) == {}
-    out = core.add_batch(batch, {"x": DetokParams(api_id="api-9")})
-    assert out["api-9"][0].text == tokenizer.decode(ids[3:5]) and out["api-9"][0].seq == 3
+    out = core.add_batch(batch, Fetched(api_ids={"x": "api-9"}))
+    assert out["api-9"][0].text == tokenizer.decode(ids[:2]) and out["api-9"][0].seq == 0
 
 
 def test_routes_by_api_id(tokenizer: Tokenizer) -> None:

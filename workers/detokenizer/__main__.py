@@ -1,7 +1,8 @@
 """`python -m workers.detokenizer` (or `redserve detokenizer`): one detokenizer worker.
 
-Loads the tokenizer, then runs one DetokenizerLoop until SIGINT/SIGTERM (exit 0); a fatal
-error is logged and exits non-zero.
+Loads the tokenizer, then runs one DetokenizerLoop until SIGINT/SIGTERM, which releases its
+shard leases at once (a peer takes them over) and exits 0. Redis outages are waited out with
+backoff; any other fatal error is logged and exits non-zero.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def load_tokenizer(settings: Settings) -> Tokenizer:
 
 
 async def serve(settings: Settings, tokenizer: Tokenizer) -> None:
-    """Run one DetokenizerLoop until SIGINT/SIGTERM."""
+    """Run one DetokenizerLoop until SIGINT/SIGTERM, then hand its shards over."""
     redis = connect(settings.redis_url)
     loop = DetokenizerLoop(redis, Keys(settings.key_prefix), settings, tokenizer)
     event_loop = asyncio.get_running_loop()
@@ -41,7 +42,7 @@ async def serve(settings: Settings, tokenizer: Tokenizer) -> None:
     try:
         await loop.run()
     finally:
-        await loop.close()
+        await loop.shutdown()
         await redis.aclose()
     logger.info("detokenizer stopped")
 

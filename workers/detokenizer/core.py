@@ -1,9 +1,12 @@
 """Pure core of the detokenizer worker: TokenEntry ids in, TextEntry deltas out (no Redis).
 
-`DecodeState` turns one request's token ids into text incrementally (SGLang's DecodeStatus
-surr/read offsets): it never emits half a UTF-8 character and never lets a stop string leak.
 `DetokenizerCore` keeps one DecodeState per rid (bounded, LRU), fences owner epochs, drops
-duplicates and routes each TextEntry to the api replica that holds the client.
+duplicates and routes each TextEntry to the api replica that holds the client. What it cannot
+know by itself it asks for and the loop fetches (`needs` -> `Fetched`, like a page fault): the
+api_id of a request it holds no state for, and ranges of the request's durable id log. With
+them it rebuilds a request another detokenizer served before (an entry at seq > 0) and fills
+gaps that pub/sub left (DESIGN §4.2, §4.4), so the text stays exactly what one detokenizer that
+saw every message would have sent.
 """
 
 from __future__ import annotations
@@ -12,131 +15,73 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+
+import msgspec
 
 from shared.protocol import (
     DetokParams,
     FinishReason,
-    Logprobs,
     TextEntry,
     TokenBatch,
     TokenEntry,
 )
+from workers.detokenizer.decode_state import (
+    REPLACEMENT,
+    DecodeState,
+    Tokenizer,
+    find_first_stop,
+    partial_stop_len,
+)
+from workers.detokenizer.text_entries import is_stop_token, text_entry
+
+__all__ = [
+    "REPLACEMENT",
+    "DecodeState",
+    "DetokenizerCore",
+    "Fetched",
+    "IdRange",
+    "Needs",
+    "Tokenizer",
+    "find_first_stop",
+    "partial_stop_len",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_STATES = 1 << 16
-REPLACEMENT = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
+# A rebuilt request re-emits its last this many ids one TextEntry per id, so that a receiver
+# keeps exactly those past what it already has, wherever the old detokenizer stopped (the ids
+# before go out as one entry: a receiver that is that far behind lost them anyway).
+DEFAULT_REPLAY_TOKENS = 4096
 
 
-class Tokenizer(Protocol):
-    def decode(
-        self, token_ids: list[int], skip_special_tokens: bool = ..., **kwargs: bool
-    ) -> str: ...
+@dataclass(frozen=True, slots=True)
+class IdRange:
+    """Output ids [start, end) of `rid`, to be read from its id log."""
+
+    rid: str
+    start: int
+    end: int
 
 
 @dataclass(slots=True)
-class DecodeState:
-    """Incremental detokenization of one request's output under one owner epoch.
+class Needs:
+    """What `add_batch` wants fetched first: request states (their api_id) and id ranges."""
 
-    Invariants: `ids[:read_offset]` decodes to `text` (committed, ends on a whole character);
-    `sent` characters of the visible text were emitted; `stop_end`, once set, ends the text.
-    """
+    states: list[str] = field(default_factory=list)
+    ranges: list[IdRange] = field(default_factory=list)
 
-    api_id: str
-    params: DetokParams
-    epoch: int
-    next_seq: int  # seq of the next token this state expects
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    surr_offset: int = 0
-    read_offset: int = 0
-    sent: int = 0
-    stop_end: int | None = None
-
-    def append(self, seq: int, token_ids: list[int]) -> None:
-        self.ids.extend(token_ids)
-        self.next_seq = seq + len(token_ids)
-
-    def step(self, tokenizer: Tokenizer, finish: FinishReason | None, trim_last: bool) -> str:
-        """Text that became safe to emit; with `finish`, everything that is left."""
-        if self.stop_end is not None:
-            return ""  # a stop string ended the text; later tokens only advance counts
-        is_final = finish is not None
-        ids = self.ids[:-1] if trim_last else self.ids
-        pending = self._pending_text(tokenizer, ids)
-        if not is_final and pending and not pending.endswith(REPLACEMENT):
-            self.text += pending
-            self.surr_offset, self.read_offset = self.read_offset, len(ids)
-            pending = ""
-        full = self.text + (pending if is_final else pending.rstrip(REPLACEMENT))
-        end = self._visible_end(full, is_final, finish)
-        delta = full[self.sent : end]
-        self.sent = max(self.sent, end)
-        return delta
-
-    def _pending_text(self, tokenizer: Tokenizer, ids: list[int]) -> str:
-        if len(ids) <= self.read_offset:
-            return ""
-        surr_text = self._decode(tokenizer, ids[self.surr_offset : self.read_offset])
-        read_text = self._decode(tokenizer, ids[self.surr_offset :])
-        return read_text[len(surr_text) :]
-
-    def _decode(self, tokenizer: Tokenizer, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return tokenizer.decode(
-            ids,
-            skip_special_tokens=self.params.skip_special_tokens,
-            spaces_between_special_tokens=self.params.spaces_between_special_tokens,
-        )
-
-    def _visible_end(self, full: str, is_final: bool, finish: FinishReason | None) -> int:
-        """Where the emittable text ends: at a stop string, or before a possible stop prefix."""
-        if self.stop_end is not None:
-            return self.stop_end
-        stops = _stop_strings(self.params.stop, finish)
-        if not stops:
-            return len(full)
-        start = max(0, self.sent - max(map(len, stops)) + 1)
-        hit = find_first_stop(full, stops, start)
-        if hit is not None:
-            pos, stop = hit
-            end = pos + len(stop) if self.params.no_stop_trim else pos
-            self.stop_end = max(self.sent, end)
-            return self.stop_end
-        if is_final:
-            return len(full)
-        return max(self.sent, len(full) - partial_stop_len(full, stops))
+    def __bool__(self) -> bool:
+        return bool(self.states or self.ranges)
 
 
-def _stop_strings(stop: list[str], finish: FinishReason | None) -> list[str]:
-    stops = [s for s in stop if s]
-    if finish is not None and finish.type == "stop" and isinstance(finish.matched, str):
-        if finish.matched and finish.matched not in stops:
-            stops.append(finish.matched)
-    return stops
+@dataclass(slots=True)
+class Fetched:
+    """The loop's answers to `Needs`: the api_id in each request state that exists, and the
+    ids read per range (fewer than asked when the log is shorter or gone)."""
 
-
-def find_first_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
-    """The earliest (position, stop string) in `text[start:]`, or None."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        pos = text.find(stop, start)
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, stop)
-    return best
-
-
-def partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that could be the start of a stop string."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
+    api_ids: Mapping[str, str] = field(default_factory=dict)
+    ids: Mapping[IdRange, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -148,14 +93,24 @@ class _Tombstone:
     is_aborted: bool
 
 
+Routed = tuple[str, list[TextEntry]]  # api_id, the request's new entries in seq order
+
+
 class DetokenizerCore:
     """All live DecodeStates of one detokenizer process, driven by TokenBatches."""
 
-    def __init__(self, tokenizer: Tokenizer, max_states: int = DEFAULT_MAX_STATES) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_states: int = DEFAULT_MAX_STATES,
+        replay_tokens: int = DEFAULT_REPLAY_TOKENS,
+    ) -> None:
         self._tokenizer = tokenizer
         self.max_states = max(1, max_states)
+        self.replay_tokens = max(1, replay_tokens)
         self._states: OrderedDict[str, DecodeState] = OrderedDict()
         self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
+        self._moved: OrderedDict[str, str] = OrderedDict()  # reattached before any state
 
     def __len__(self) -> int:
         return len(self._states)
@@ -166,34 +121,47 @@ class DetokenizerCore:
     def get(self, rid: str) -> DecodeState | None:
         return self._states.get(rid)
 
-    def rids_missing_params(self, batch: TokenBatch) -> list[str]:
-        """Rids that `add_batch` could not route: no live state and no `detok` on the entry."""
-        missing: dict[str, None] = {}
+    def rids(self) -> list[str]:
+        return list(self._states)
+
+    def needs(self, batch: TokenBatch) -> Needs:
+        """What to fetch before `add_batch(batch)`: for an unknown request, its state (for
+        the api_id, unless a first entry brings it) and ids [0, seq); for a gap, the ids
+        missing. Only a rid's first entry in the batch is looked at (one per step)."""
+        needs, seen = Needs(), set()
         for entry in batch.entries:
             rid = entry.rid
-            if rid in self._states or entry.detok is not None:
+            if rid in seen:
                 continue
-            tomb = self._tombstones.get(rid)
-            if tomb is None or (entry.epoch > tomb.epoch and not tomb.is_aborted):
-                missing[rid] = None
-        return list(missing)
+            seen.add(rid)
+            state = self._states.get(rid)
+            if state is not None:
+                if entry.epoch >= state.epoch and entry.seq > state.next_seq:
+                    needs.ranges.append(IdRange(rid, state.next_seq, entry.seq))
+            elif self._opens_state(entry):
+                if entry.detok is None or entry.seq > 0:
+                    needs.states.append(rid)
+                if entry.seq > 0:
+                    needs.ranges.append(IdRange(rid, 0, entry.seq))
+        return needs
 
     def add_batch(
-        self, batch: TokenBatch, fallback: Mapping[str, DetokParams] | None = None
+        self, batch: TokenBatch, fetched: Fetched | None = None
     ) -> dict[str, list[TextEntry]]:
         """Decode one scheduler step; returns the new TextEntries grouped by api_id.
 
-        `fallback` gives params for rids in `rids_missing_params` (looked up by the loop).
-        A request that fails to decode is finished with an abort; the rest of the batch goes on.
+        `fetched` answers `needs(batch)`; without it an unknown request without params is
+        dropped and gaps stay gaps. A request that fails to decode is finished with an
+        abort; the rest of the batch goes on.
         """
         out: dict[str, list[TextEntry]] = {}
         for entry in batch.entries:
             try:
-                routed = self._add_entry(entry, fallback or {})
+                routed = self._add_entry(entry, fetched or Fetched())
             except Exception as exc:  # one bad request must not fail the batch
                 routed = self._fail(entry, exc)
             if routed is not None:
-                out.setdefault(routed[0], []).append(routed[1])
+                out.setdefault(routed[0], []).extend(routed[1])
         return out
 
     def abort(self, rids: Iterable[str]) -> None:
@@ -204,51 +172,162 @@ class DetokenizerCore:
                 logger.info("rid=%s aborted: state dropped", rid)
                 self._bury(rid, _Tombstone(state.epoch, state.api_id, is_aborted=True))
 
+    def reattach(self, rids: Iterable[str], api_id: str) -> None:
+        """Route `rids`' output to `api_id` from now on (their client moved replicas)."""
+        for rid in rids:
+            state, tomb = self._states.get(rid), self._tombstones.get(rid)
+            if state is not None:
+                state.api_id = api_id
+                state.params = msgspec.structs.replace(state.params, api_id=api_id)
+            elif tomb is not None:
+                tomb.api_id = api_id
+            else:
+                self._moved[rid] = api_id
+                self._moved.move_to_end(rid)
+                while len(self._moved) > self.max_states:
+                    self._moved.popitem(last=False)
+            logger.info("rid=%s reattached to api_id=%s", rid, api_id)
+
+    def resend(self, rid: str, from_seq: int) -> Routed | None:
+        """The text from `from_seq` on again, one TextEntry per id (a replica missed it: it
+        took the request over from a dead one, or pub/sub dropped messages). Decoded afresh
+        from the ids this state holds, so it is what was sent: the text after k ids depends
+        only on them. None when this core does not hold the request."""
+        state = self._states.get(rid)
+        if state is None or from_seq < 0 or from_seq >= state.next_seq:
+            return None
+        replay = DecodeState(state.api_id, state.params, state.epoch, next_seq=0)
+        out = []
+        for seq, token_id in enumerate(state.ids):
+            replay.append(seq, [token_id])
+            text = replay.step(self._tokenizer, None, trim_last=False)
+            if seq >= from_seq:
+                out.append(TextEntry(rid=rid, epoch=state.epoch, seq=seq, text=text,
+                                     token_ids=[token_id], prompt_tokens=state.prompt_tokens,
+                                     completion_tokens=seq + 1,
+                                     cached_tokens=state.cached_tokens))  # fmt: skip
+        logger.info("rid=%s resent from seq %d to %s", rid, from_seq, state.api_id)
+        return state.api_id, out
+
+    def forget(self, rids: Iterable[str]) -> None:
+        """Drop live states that another detokenizer serves now (their shard moved away)."""
+        for rid in rids:
+            self._states.pop(rid, None)
+
     # -- internals ---------------------------------------------------------------------------
-    def _add_entry(
-        self, entry: TokenEntry, fallback: Mapping[str, DetokParams]
-    ) -> tuple[str, TextEntry] | None:
+    def _opens_state(self, entry: TokenEntry) -> bool:
+        """No live state: does this entry start one? Not for a late entry of a finished
+        epoch, nor after an abort."""
         tomb = self._tombstones.get(entry.rid)
-        if entry.rid not in self._states and tomb is not None:
+        return tomb is None or (entry.epoch > tomb.epoch and not tomb.is_aborted)
+
+    def _add_entry(self, entry: TokenEntry, fetched: Fetched) -> Routed | None:
+        tomb = self._tombstones.get(entry.rid)
+        state = self._states.get(entry.rid)
+        if state is None and tomb is not None and not self._opens_state(entry):
             if tomb.is_aborted:
                 return self._after_abort(entry, tomb)
-            if entry.epoch <= tomb.epoch:
-                logger.debug("rid=%s late entry after finish dropped", entry.rid)
-                return None
-        state = self._state_for(entry, fallback)
+            logger.debug("rid=%s late entry after finish dropped", entry.rid)
+            return None
+        out: list[TextEntry] = []
+        if state is None:
+            state = self._rebuild(entry, fetched, out)
+        elif not self._is_current(state, entry):
+            return None
         if state is None:
             return None
+        self._fill_gap(state, entry, fetched, out)
         new = self._new_tokens(state, entry)
-        if new is None:
-            return None
-        seq, token_ids = new
+        if new is not None:
+            out.append(self._decode(state, entry, *new))
+        return (state.api_id, out) if out else None
+
+    def _is_current(self, state: DecodeState, entry: TokenEntry) -> bool:
+        """Fencing: a stale owner's entry is dropped; a new owner continues the same id log,
+        hence the same state, under its epoch."""
+        if entry.epoch < state.epoch:
+            logger.debug("rid=%s stale epoch %d < %d dropped", entry.rid, entry.epoch, state.epoch)
+            return False
+        if entry.epoch > state.epoch:
+            logger.info("rid=%s new owner epoch %d continues at seq %d (expected %d)",
+                        entry.rid, entry.epoch, entry.seq, state.next_seq)  # fmt: skip
+            state.epoch = entry.epoch
+        self._states.move_to_end(entry.rid)
+        return True
+
+    def _rebuild(
+        self, entry: TokenEntry, fetched: Fetched, out: list[TextEntry]
+    ) -> DecodeState | None:
+        """A state for a request this core does not hold: its params (the entry's, routed to
+        the api_id its request state names now), then its ids [0, seq) replayed into `out`."""
+        rid = entry.rid
+        api_id = self._moved.pop(rid, None) or fetched.api_ids.get(rid)
+        params = entry.detok
+        if params is None:
+            if api_id is None:
+                logger.warning("rid=%s entry without detok params for an unknown request", rid)
+                return None
+            params = DetokParams(api_id=api_id)
+        elif api_id is not None and api_id != params.api_id:
+            params = msgspec.structs.replace(params, api_id=api_id)
+        state = self._create(entry, params)
+        if entry.seq == 0:
+            return state
+        prefix = fetched.ids.get(IdRange(rid, 0, entry.seq))
+        if prefix is None or len(prefix) != entry.seq:
+            logger.warning("rid=%s cannot rebuild: id log has %d of %d ids; decoding from seq %d",
+                           rid, len(prefix or ()), entry.seq, entry.seq)  # fmt: skip
+            state.next_seq = entry.seq
+            return state
+        logger.info("rid=%s rebuilt from its id log at seq %d", rid, entry.seq)
+        bulk = max(0, entry.seq - self.replay_tokens)
+        if bulk:
+            out.append(self._advance(state, entry, prefix[:bulk]))
+        out.extend(self._advance(state, entry, prefix[i : i + 1]) for i in range(bulk, entry.seq))
+        return state
+
+    def _fill_gap(
+        self, state: DecodeState, entry: TokenEntry, fetched: Fetched, out: list[TextEntry]
+    ) -> None:
+        """Ids [next_seq, entry.seq) that pub/sub lost, from the id log (else decode on)."""
+        if entry.seq <= state.next_seq:
+            return
+        span = IdRange(entry.rid, state.next_seq, entry.seq)
+        ids = fetched.ids.get(span)
+        if ids is None or len(ids) != span.end - span.start:
+            logger.warning("rid=%s gap: expected seq %d, got %d (not refilled)",
+                           entry.rid, state.next_seq, entry.seq)  # fmt: skip
+            return
+        logger.info("rid=%s gap [%d, %d) refilled from the id log", entry.rid, span.start, span.end)
+        out.append(self._advance(state, entry, ids))
+
+    def _advance(self, state: DecodeState, entry: TokenEntry, ids: list[int]) -> TextEntry:
+        """Append ids read from the id log (no logprobs known) and emit their safe text."""
+        seq = state.next_seq
+        state.append(seq, ids)
+        text = state.step(self._tokenizer, None, trim_last=False)
+        return TextEntry(
+            rid=entry.rid,
+            epoch=entry.epoch,
+            seq=seq,
+            text=text,
+            token_ids=ids,
+            prompt_tokens=entry.prompt_tokens,
+            completion_tokens=seq + len(ids),
+            cached_tokens=entry.cached_tokens,
+        )
+
+    def _decode(
+        self, state: DecodeState, entry: TokenEntry, seq: int, token_ids: list[int]
+    ) -> TextEntry:
+        """The entry's own new ids; a finishing entry retires the state."""
         state.append(seq, token_ids)
-        trim_last = _is_stop_token(entry.finish, token_ids, state.params)
+        trim_last = is_stop_token(entry.finish, token_ids, state.params)
         text = state.step(self._tokenizer, entry.finish, trim_last)
         if entry.finish is not None:
             del self._states[entry.rid]
             self._bury(entry.rid, _Tombstone(state.epoch, state.api_id, is_aborted=False))
-        return state.api_id, _text_entry(entry, seq, text, token_ids, entry.finish)
-
-    def _state_for(
-        self, entry: TokenEntry, fallback: Mapping[str, DetokParams]
-    ) -> DecodeState | None:
-        rid = entry.rid
-        state = self._states.get(rid)
-        if state is None:
-            params = entry.detok or fallback.get(rid)
-            if params is None:
-                logger.warning("rid=%s entry without detok params for an unknown request", rid)
-                return None
-            return self._create(entry, params)
-        if entry.epoch < state.epoch:
-            logger.debug("rid=%s stale epoch %d < %d dropped", rid, entry.epoch, state.epoch)
-            return None
-        if entry.epoch > state.epoch:
-            logger.info("rid=%s new owner epoch %d, restart at seq %d", rid, entry.epoch, entry.seq)
-            return self._create(entry, entry.detok or state.params)
-        self._states.move_to_end(rid)
-        return state
+        return text_entry(entry, seq, text, token_ids, entry.finish)
 
     def _create(self, entry: TokenEntry, params: DetokParams) -> DecodeState:
         self._states.pop(entry.rid, None)
@@ -256,17 +335,15 @@ class DetokenizerCore:
         while len(self._states) >= self.max_states:
             evicted, _ = self._states.popitem(last=False)
             logger.warning("rid=%s evicted: more than %d live states", evicted, self.max_states)
-        state = DecodeState(params.api_id, params, entry.epoch, next_seq=entry.seq)
+        state = DecodeState(params.api_id, params, entry.epoch, next_seq=0)
+        state.prompt_tokens, state.cached_tokens = entry.prompt_tokens, entry.cached_tokens
         self._states[entry.rid] = state
         return state
 
     def _new_tokens(self, state: DecodeState, entry: TokenEntry) -> tuple[int, list[int]] | None:
-        """(seq, ids) this entry adds; None for a duplicate. Gaps are logged and accepted."""
+        """(seq, ids) this entry adds; None for a duplicate."""
         seq, ids = entry.seq, entry.token_ids
-        if seq > state.next_seq:
-            logger.warning("rid=%s gap: expected seq %d, got %d", entry.rid, state.next_seq, seq)
-            return seq, ids
-        if seq == state.next_seq:
+        if seq >= state.next_seq:
             return seq, ids
         skip = state.next_seq - seq
         if skip >= len(ids):
@@ -274,13 +351,13 @@ class DetokenizerCore:
             return None
         return state.next_seq, ids[skip:]
 
-    def _after_abort(self, entry: TokenEntry, tomb: _Tombstone) -> tuple[str, TextEntry] | None:
+    def _after_abort(self, entry: TokenEntry, tomb: _Tombstone) -> Routed | None:
         if entry.epoch < tomb.epoch or entry.finish is None:
             return None
         self._bury(entry.rid, _Tombstone(entry.epoch, tomb.api_id, is_aborted=False))
-        return tomb.api_id, _text_entry(entry, entry.seq, "", entry.token_ids, entry.finish)
+        return tomb.api_id, [text_entry(entry, entry.seq, "", entry.token_ids, entry.finish)]
 
-    def _fail(self, entry: TokenEntry, exc: Exception) -> tuple[str, TextEntry] | None:
+    def _fail(self, entry: TokenEntry, exc: Exception) -> Routed | None:
         logger.error("rid=%s detokenization failed: %r", entry.rid, exc, exc_info=exc)
         state = self._states.pop(entry.rid, None)
         api_id = state.api_id if state else entry.detok.api_id if entry.detok else None
@@ -288,48 +365,10 @@ class DetokenizerCore:
             return None
         self._bury(entry.rid, _Tombstone(entry.epoch, api_id, is_aborted=False))
         finish = FinishReason(type="abort", message="detokenization failed", status_code=500)
-        return api_id, _text_entry(entry, entry.seq, "", entry.token_ids, finish)
+        return api_id, [text_entry(entry, entry.seq, "", entry.token_ids, finish)]
 
     def _bury(self, rid: str, tomb: _Tombstone) -> None:
         self._tombstones[rid] = tomb
         self._tombstones.move_to_end(rid)
         while len(self._tombstones) > self.max_states:
             self._tombstones.popitem(last=False)
-
-
-def _is_stop_token(finish: FinishReason | None, new_ids: list[int], params: DetokParams) -> bool:
-    """SGLang trims a matched stop token id from the text (unless no_stop_trim)."""
-    if finish is None or finish.type != "stop" or params.no_stop_trim or not new_ids:
-        return False
-    return isinstance(finish.matched, int) and new_ids[-1] == finish.matched
-
-
-def _text_entry(
-    entry: TokenEntry, seq: int, text: str, token_ids: list[int], finish: FinishReason | None
-) -> TextEntry:
-    return TextEntry(
-        rid=entry.rid,
-        epoch=entry.epoch,
-        seq=seq,
-        text=text,
-        token_ids=token_ids,
-        prompt_tokens=entry.prompt_tokens,
-        completion_tokens=seq + len(token_ids),
-        finish=finish,
-        cached_tokens=entry.cached_tokens,
-        output_logprobs=_skip_positions(entry.output_logprobs, seq - entry.seq),
-        input_logprobs=entry.input_logprobs,
-        embedding=entry.embedding,
-    )
-
-
-def _skip_positions(logprobs: Logprobs | None, skip: int) -> Logprobs | None:
-    """The logprobs of an entry's ids past the first `skip` (duplicates already seen)."""
-    if logprobs is None or skip <= 0:
-        return logprobs
-    return Logprobs(
-        token_logprobs=logprobs.token_logprobs[skip:],
-        top_ids=logprobs.top_ids[skip:],
-        top_logprobs=logprobs.top_logprobs[skip:],
-        requested_logprobs=logprobs.requested_logprobs[skip:],
-    )
