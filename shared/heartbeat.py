@@ -15,6 +15,9 @@ import redis.asyncio as aioredis
 
 from shared.keys import HEARTBEAT_TTL_S, Keys
 
+# Registry entries older than this are pruned (and the registry expires if nobody beats).
+_REGISTRY_KEEP_S = 6 * HEARTBEAT_TTL_S
+
 WorkerKind = Literal["scheduler", "api", "detokenizer"]
 SCHEDULER: WorkerKind = "scheduler"
 API: WorkerKind = "api"
@@ -44,16 +47,17 @@ def beat(
     fields: SchedulerBeat | Beat,
     kind: WorkerKind = SCHEDULER,
 ) -> None:
-    """Queue the beat: the hash (stamped now) and its expiry."""
+    """Queue the beat: the hash (stamped now) and its expiry, and the worker's place in its
+    kind's registry."""
     key = keys.heartbeat(kind, worker_id)
-    stamped = msgspec.structs.replace(fields, updated_at=time.time())
+    now = time.time()
+    stamped = msgspec.structs.replace(fields, updated_at=now)
     pipe.hset(key, mapping=msgspec.structs.asdict(stamped))
     pipe.expire(key, HEARTBEAT_TTL_S)
-
-
-async def remove(r: aioredis.Redis, keys: Keys, worker_id: str, kind: WorkerKind) -> None:
-    """Forget a worker that stops cleanly (so nobody waits for its beat to expire)."""
-    await r.delete(keys.heartbeat(kind, worker_id))
+    registry = keys.worker_registry(kind)
+    pipe.zadd(registry, {worker_id: now})
+    pipe.zremrangebyscore(registry, "-inf", now - _REGISTRY_KEEP_S)
+    pipe.expire(registry, int(_REGISTRY_KEEP_S))
 
 
 def forget(
@@ -61,6 +65,7 @@ def forget(
 ) -> None:
     """Queue the deletion of a worker's beat: a clean stop is seen at once, not a TTL later."""
     pipe.delete(keys.heartbeat(kind, worker_id))
+    pipe.zrem(keys.worker_registry(kind), worker_id)
 
 
 async def read(r: aioredis.Redis, keys: Keys, worker_id: str) -> SchedulerBeat | None:
@@ -75,8 +80,15 @@ async def read(r: aioredis.Redis, keys: Keys, worker_id: str) -> SchedulerBeat |
 async def live_workers(
     r: aioredis.Redis, keys: Keys, kind: WorkerKind, prefix: str = ""
 ) -> list[str]:
-    """Ids of the workers of `kind` (whose id starts with `prefix`) with a fresh beat."""
-    pattern = keys.heartbeat(kind, f"{prefix}*")
-    found = [key async for key in r.scan_iter(match=pattern, count=100)]
-    head = len(keys.heartbeat(kind, ""))
-    return [(k.decode() if isinstance(k, bytes) else k)[head:] for k in found]
+    """Ids of the workers of `kind` (whose id starts with `prefix`) with a fresh beat: those
+    the registry lists as recent whose beat key still exists."""
+    since = time.time() - HEARTBEAT_TTL_S - 1
+    listed = await r.zrangebyscore(keys.worker_registry(kind), since, "+inf")
+    ids = [(w.decode() if isinstance(w, bytes) else w) for w in listed]
+    ids = [w for w in ids if w.startswith(prefix)]
+    if not ids:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.exists(keys.heartbeat(kind, worker_id))
+    return [w for w, alive in zip(ids, await pipe.execute(), strict=True) if alive]

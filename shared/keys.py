@@ -82,8 +82,9 @@ class Keys:
     def heartbeat(self, kind: str, worker_id: str) -> str:
         return f"{self.prefix}:worker:{kind}:{worker_id}"
 
-    def heartbeat_pattern(self, kind: str) -> str:
-        return f"{self.prefix}:worker:{kind}:*"
+    def worker_registry(self, kind: str) -> str:
+        """Sorted set of the workers of `kind` by last beat (finding them without a SCAN)."""
+        return f"{self.prefix}:workers:{kind}"
 
     def api_requests(self, api_id: str) -> str:
         """Set of the live rids whose client an api replica holds (its orphans if it dies)."""

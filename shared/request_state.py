@@ -77,6 +77,11 @@ def append_ids(pipe: Pipe, keys: Keys, rid: str, token_ids: list[int]) -> None:
         pipe.expire(keys.ids(rid), LIVE_STATE_TTL_S)
 
 
+def read_ids(pipe: Pipe, keys: Keys, rid: str, start: int, end: int) -> None:
+    """Queue the read of output ids [start, end) from the id log (fewer if it is shorter)."""
+    pipe.lrange(keys.ids(rid), start, end - 1)
+
+
 def finish(
     pipe: Pipe,
     keys: Keys,

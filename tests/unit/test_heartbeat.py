@@ -40,3 +40,14 @@ async def test_only_fresh_beats_are_live_workers(fake_redis: aioredis.Redis, key
     assert await heartbeat.live_workers(fake_redis, keys, SCHEDULER, "host-b") == ["host-b-1"]
     await fake_redis.delete(keys.heartbeat(SCHEDULER, "host-a-1"))  # as when its TTL ran out
     assert await heartbeat.live_workers(fake_redis, keys, SCHEDULER) == ["host-b-1"]
+
+
+async def test_a_forgotten_worker_leaves_its_kind_at_once(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    await _beat(fake_redis, keys, "host-a-1")
+    pipe = fake_redis.pipeline(transaction=False)
+    heartbeat.forget(pipe, keys, "host-a-1", SCHEDULER)
+    await pipe.execute()
+    assert await heartbeat.live_workers(fake_redis, keys, SCHEDULER) == []
+    assert await fake_redis.zcard(keys.worker_registry(SCHEDULER)) == 0

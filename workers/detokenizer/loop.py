@@ -112,7 +112,9 @@ class DetokenizerLoop:
         simply expire."""
         try:
             await self.leases.release()
-            await self.redis.delete(self.keys.heartbeat(heartbeat.DETOKENIZER, self.worker_id))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                heartbeat.forget(pipe, self.keys, self.worker_id, heartbeat.DETOKENIZER)
+                await pipe.execute()
         except (RedisError, OSError) as exc:
             logger.warning("could not release the leases: %r", exc)
         await self.close()
@@ -225,7 +227,7 @@ class DetokenizerLoop:
         if needs.ranges:
             pipe = self.redis.pipeline(transaction=False)
             for span in needs.ranges:
-                pipe.lrange(self.keys.ids(span.rid), span.start, span.end - 1)
+                request_state.read_ids(pipe, self.keys, span.rid, span.start, span.end)
             for span, raw in zip(needs.ranges, await pipe.execute(), strict=True):
                 ids[span] = [int(v) for v in raw]
         return Fetched(api_ids=api_ids, ids=ids)

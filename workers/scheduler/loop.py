@@ -126,7 +126,9 @@ class SchedulerLoop:
         idle_ms = int(self.settings.scheduler.reclaim_min_idle_s * 1000) + 1000
         try:
             await ownership.hand_over(self.redis, self.keys, self.worker_id, rest, idle_ms)
-            await heartbeat.remove(self.redis, self.keys, self.worker_id, heartbeat.SCHEDULER)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                heartbeat.forget(pipe, self.keys, self.worker_id, heartbeat.SCHEDULER)
+                await pipe.execute()
         except RedisError as e:  # they are reclaimed once idle anyway
             logger.warning("could not hand over %d jobs: %s", len(rest), e)
             return
