@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from redserve.cli import build_parser
+from shared.config import Settings
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 
@@ -41,3 +42,10 @@ def test_dependents_wait_for_healthy_redis_and_scheduler_reserves_a_gpu() -> Non
         assert depends["redis"]["condition"] == "service_healthy"
     devices = services["scheduler"]["deploy"]["resources"]["reservations"]["devices"]  # type: ignore[index]
     assert devices[0]["capabilities"] == ["gpu"]
+
+
+def test_planned_stops_get_more_time_than_the_scheduler_drains() -> None:
+    drain_s = Settings().scheduler.drain_s
+    for name in ("api", "scheduler"):
+        grace = str(_services()[name]["stop_grace_period"])
+        assert grace.endswith("s") and float(grace[:-1]) > drain_s, name
