@@ -1,9 +1,9 @@
 """`python -m workers.scheduler` (or `redserve scheduler`): one scheduler worker.
 
 Wires settings → model files → tokenizer (eos ids, stop-string tails) → model runner →
-core → loop, then serves until SIGINT/SIGTERM (exit 0). A fatal error (Redis gone for good,
-an unexpected exception) is logged and exits non-zero, so the supervisor restarts us and
-our unacked jobs stay pending for another worker to reclaim.
+core → loop, then serves until SIGINT/SIGTERM: it drains, hands the rest over and exits 0.
+Redis outages are waited out. An unexpected exception is logged and exits non-zero, so the
+supervisor restarts us; our unacked jobs stay pending for another scheduler to reclaim.
 """
 
 from __future__ import annotations
