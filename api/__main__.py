@@ -1,4 +1,4 @@
-"""`python -m api`: one api replica under uvicorn."""
+"""`python -m api`: one api replica under uvicorn, with a drain step on SIGTERM (api.drain)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ from types import FrameType
 import uvicorn
 
 from api.app import create_app
+from api.drain import DrainingServer
 from shared.config import Settings, get_settings
 from shared.logging_setup import configure_logging
 
-# On SIGTERM, in-flight requests get this long to finish; then they are cancelled, which
-# aborts them in Redis, and the lifespan shutdown runs (well inside compose's 10 s grace).
-GRACEFUL_SHUTDOWN_S = 5
+# On SIGTERM: up to DRAIN_S for the requests in flight (health and new requests 503 meanwhile),
+# then streams are released and the rest aborted; uvicorn then gets GRACEFUL_SHUTDOWN_S for
+# the connections and the lifespan shutdown runs: inside compose's 45 s stop_grace_period.
+DRAIN_S = 30.0
+GRACEFUL_SHUTDOWN_S = 2
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
@@ -26,14 +29,16 @@ def main(settings: Settings) -> None:
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown: make that a clean exit 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     signal.signal(signal.SIGINT, _exit_cleanly)
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=settings.api.host,
         port=settings.api.port,
         log_config=None,  # keep configure_logging's setup; uvicorn's loggers propagate to it
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+    DrainingServer(config, app, DRAIN_S).run()
 
 
 if __name__ == "__main__":

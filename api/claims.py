@@ -1,6 +1,7 @@
 """Fleet-wide unique request ids: a rid is claimed (SET NX `rs:rid:{rid}`, with a TTL) before any
 state of its request exists, and released when the request ends (aborted ones keep the claim
-while their abort marker lives)."""
+while their abort marker lives); the release also drops the rid from this replica's held-rid
+set (`api:{api_id}:rids`)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
-from api.errors import BadRequest, ServiceUnavailable
-from shared import request_state
+from api.errors import BadRequest
+from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, unavailable
+from shared import reattach, request_state
 from shared.keys import Keys
 
 logger = logging.getLogger(__name__)
-
-REDIS_TIMEOUT_S = 3.0
 
 Spawn = Callable[[Coroutine[Any, Any, None]], bool]
 
@@ -38,9 +37,9 @@ class RidClaims:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     request_state.claim(pipe, self.keys, rids, self.api_id)
                     results = await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as e:
+        except REDIS_ERRORS as e:
             logger.error("claim failed rid=%s: %r", rids[0], e)
-            raise ServiceUnavailable("The request queue (Redis) is unavailable.") from e
+            raise unavailable(e, "The request queue (Redis) is unavailable.") from e
         taken = [rid for rid, ok in zip(rids, results, strict=True) if not ok]
         if taken:
             self.release_soon([rid for rid, ok in zip(rids, results, strict=True) if ok], [])
@@ -57,8 +56,9 @@ class RidClaims:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 async with self.redis.pipeline(transaction=False) as pipe:
                     request_state.release(pipe, self.keys, finished, aborted)
+                    reattach.drop(pipe, self.keys, self.api_id, [*finished, *aborted])
                     await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as e:
+        except REDIS_ERRORS as e:
             rid = (finished or aborted)[0]
             logger.warning("could not release rid=%s (and %d more): %r", rid,
                            len(finished) + len(aborted) - 1, e)  # fmt: skip

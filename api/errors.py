@@ -40,6 +40,10 @@ class ApiError(Exception):
         if status_code is not None:
             self.status_code = status_code
 
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return None
+
 
 class BadRequest(ApiError):
     status_code = 400
@@ -50,7 +54,14 @@ class NotFound(ApiError):
 
 
 class ServiceUnavailable(ApiError):
+    """Redis is unreachable or full, or the replica is starting or draining: retry soon
+    (on this replica or another)."""
+
     status_code = 503
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": "1"}
 
 
 class ClientDisconnected(ApiError):
@@ -112,9 +123,10 @@ def error_response(
     *,
     param: str | None = None,
     code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     body = error_body(request.url.path, status_code, message, param=param, code=code)
-    return JSONResponse(body, status_code=status_code)
+    return JSONResponse(body, status_code=status_code, headers=headers)
 
 
 def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
@@ -150,7 +162,8 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
 
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(request, exc.status_code, exc.message, param=exc.param, code=exc.code)
+    return error_response(request, exc.status_code, exc.message, param=exc.param, code=exc.code,
+                          headers=exc.headers)  # fmt: skip
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -18,6 +18,11 @@ logger = logging.getLogger(__name__)
 TextPair = tuple[str, str]
 
 
+class Superseded(Exception):
+    """Another attachment (a re-attach on any replica) took the request over: its waiter
+    here ends quietly, neither aborting nor releasing it."""
+
+
 @dataclass
 class GenerateReq:
     """One generation (or embedding) request after HTTP parsing, before tokenization."""
@@ -73,6 +78,19 @@ class ReqState:
     logprobs: LogprobLog | None = None
     embedding: list[float] | None = None
     num_outputs: int = 0
+    # Streaming responses: the rid of the response's event log and the attachment that
+    # appends to it (None: not streaming). `superseded`: another attachment took the request
+    # over, end quietly; `released`: left to the fleet at shutdown (re-attach or reap).
+    stream_rid: str | None = None
+    attach_id: str | None = None
+    superseded: bool = False
+    released: bool = False
+    # Gaps (DESIGN §4.4): entries past a gap wait in `held` until a resend (asked for at
+    # `resend_at`, monotonic; 0 = none pending) or a refill from the id log fills it.
+    held: list[protocol.TextEntry] = field(default_factory=list, repr=False)
+    resend_at: float = 0.0
+    refill_every: float = 0.0  # the id log is read again after this long (backs off)
+    finish_seen: protocol.FinishReason | None = None  # an applied entry's finish
 
     def __post_init__(self) -> None:
         if self.obj.logprobs is not None and self.logprobs is None:
@@ -83,29 +101,57 @@ class ReqState:
         return self.obj.rid
 
     def accept(self, entry: protocol.TextEntry) -> bool:
-        """Take one entry of the engine. Fenced by owner epoch and seq: a stale owner's
-        entries and duplicates are dropped (a duplicate's finish still counts), a gap is
-        logged and tolerated."""
+        """Take one entry of the engine; True when it brought news (text, ids, a finish).
+        Fenced by owner epoch and seq: a stale owner's entries and duplicates are dropped (a
+        duplicate's finish still counts); an entry past a gap waits in `held` until the gap
+        is filled (`release_held` gives up on the gap)."""
         if entry.epoch < self.epoch:
             logger.info("dropping stale epoch rid=%s epoch=%d<%d", entry.rid, entry.epoch,
                         self.epoch)  # fmt: skip
             return False
         self.epoch = entry.epoch
-        expected = self.next_seq
-        if entry.seq < expected:
-            logger.debug("duplicate rid=%s seq=%d<%d", entry.rid, entry.seq, expected)
+        if entry.seq > self.next_seq:  # pub/sub lost a message (DESIGN §4.4)
+            if not self.held:
+                logger.warning("gap rid=%s expected seq=%d got %d", entry.rid, self.next_seq,
+                               entry.seq)  # fmt: skip
+            self.held.append(entry)
+            return False
+        news = self._take(entry)
+        while self.held and min(e.seq for e in self.held) <= self.next_seq:
+            nxt = min(self.held, key=lambda e: e.seq)
+            self.held.remove(nxt)
+            news = self._take(nxt) or news
+        return news
+
+    def release_held(self) -> bool:
+        """Give up on the gap: apply the held entries in order, skipping what is missing."""
+        held, self.held = sorted(self.held, key=lambda e: e.seq), []
+        news = False
+        for entry in held:
+            news = self._take(entry) or news
+        return news
+
+    def _take(self, entry: protocol.TextEntry) -> bool:
+        """Apply an entry (one that starts before next_seq is a duplicate; after it, one
+        whose gap was given up on)."""
+        if entry.seq < self.next_seq:
+            logger.debug("duplicate rid=%s seq=%d<%d", entry.rid, entry.seq, self.next_seq)
+            if entry.finish is not None:
+                self.finish_seen = entry.finish
             return entry.finish is not None
-        if entry.seq > expected:  # pub/sub lost a message (DESIGN §4.4)
-            logger.warning("gap rid=%s expected seq=%d got %d", entry.rid, expected, entry.seq)
         self.out_list.append(entry.text)
         self.output_ids.extend(entry.token_ids)
         self.next_seq = entry.seq + len(entry.token_ids)
+        self.completion_tokens = max(self.completion_tokens, entry.completion_tokens)
+        self.cached_tokens = entry.cached_tokens
         if self.logprobs is not None:
             self.logprobs.extend(entry.output_logprobs, len(entry.token_ids))
             if entry.input_logprobs is not None and self.logprobs.input is None:
                 self.logprobs.input = entry.input_logprobs
         if entry.embedding is not None:
             self.embedding = entry.embedding
+        if entry.finish is not None:
+            self.finish_seen = entry.finish
         return True
 
     def finish(self, reason: protocol.FinishReason) -> None:
@@ -135,6 +181,7 @@ class ReqState:
             start=start,
             end=end,
             first=self.num_outputs == 1,
+            seq=self.next_seq,
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=max(self.completion_tokens, end),
@@ -155,6 +202,7 @@ class ReqOutput:
     start: int  # ids[start:end] are new in this output
     end: int
     first: bool  # the request's first output
+    seq: int  # the seq of the request's next entry (what this output covers up to)
     finish_reason: protocol.FinishReason | None
     prompt_tokens: int
     completion_tokens: int

@@ -1,4 +1,5 @@
-"""Server-sent events: `data: {json}\n\n` chunks and the `data: [DONE]\n\n` terminator."""
+"""Server-sent events: `data: {json}\n\n` chunks and the `data: [DONE]\n\n` terminator (each sent
+after its `id: N` line, which api.event_log adds when it logs the event)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
 """The api's TokenizerManager (SGLang's, over Redis): validate and tokenize requests, claim their
-rids fleet-wide (SET NX `rs:rid:{rid}`), submit them (`rs:state:{rid}` + XADD `rs:req` in one
-pipeline), track them in `rid_to_state`, and hand each request's outputs to its waiter.
-Outputs arrive as TextBatch on `rs:out:{api_id}` through the one ResultListener; aborts go out
-as `rs:abort:{rid}` + an AbortRequests broadcast on `rs:ctl`. Every accepted request ends with
-exactly one terminal output (finish or abort), and its rid claim is released."""
+rids fleet-wide (SET NX `rs:rid:{rid}`), submit them (`rs:state:{rid}` + XADD `rs:req` + this
+replica's held-rid set in one transaction), track them in `rid_to_state`, and hand each
+request's outputs to its waiter (api.waiting). Outputs arrive as TextBatch on `rs:out:{api_id}`
+through the one ResultListener (which also hears Reattach notices on `rs:ctl`); aborts go out
+through api.aborts. Every accepted request ends with exactly one terminal output (finish or
+abort) and its rid claim is released, unless another attachment took it over (a re-attach:
+api.reattach) or the replica left it to the fleet at shutdown. Streaming responses are
+pumped by api.streams; heartbeats, orphans and outages are api.liveness's."""
 
 from __future__ import annotations
 
@@ -11,32 +14,36 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
+from api.aborts import Aborts
 from api.claims import RidClaims
-from api.errors import BadRequest, ClientDisconnected, ServiceUnavailable
-from api.logprobs import needed_token_ids
+from api.errors import BadRequest, ServiceUnavailable
+from api.event_log import EventLog
+from api.gaps import GapFiller
+from api.handover import Handover
+from api.liveness import Maintenance
 from api.model import ModelInfo
+from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, unavailable
 from api.req_state import GenerateReq, ReqOutput, ReqState, TextPair
 from api.result_listener import ResultListener
+from api.stream_spec import StreamSetup
 from api.tokenization import TextTokenizer
 from api.validation import build_job, check_chars
-from shared import protocol, request_state, request_stream
+from api.waiting import Disconnectable, wait_batch, wait_one
+from shared import protocol, reattach, request_state, request_stream
 from shared.config import Settings
 from shared.keys import Keys
 
+if TYPE_CHECKING:
+    from api.streams import ResponsePump
+
 logger = logging.getLogger(__name__)
 
-REDIS_TIMEOUT_S = 3.0  # a Redis round trip slower than this counts as "Redis unavailable"
 HEALTH_TIMEOUT_S = 1.0
-_ABORT_ATTEMPTS = 3
-
-
-class Disconnectable(Protocol):
-    async def is_disconnected(self) -> bool: ...
+SHUTTING_DOWN = "The server is shutting down."
 
 
 class TokenizerManager:
@@ -47,12 +54,26 @@ class TokenizerManager:
         self.keys = Keys(settings.key_prefix)
         self.api_id = settings.api.api_id
         self.rid_to_state: dict[str, ReqState] = {}
-        self.listener = ResultListener(redis, self.keys.output_channel(self.api_id), self.dispatch)
+        self.listener = ResultListener(
+            redis,
+            self.keys.output_channel(self.api_id),
+            self.dispatch,
+            control_channel=self.keys.control_channel,
+            on_resubscribe=self.resync,
+        )
+        self.handover = Handover(self)
         self._handlers: dict[type, Callable[[Any], None]] = {
             protocol.TextBatch: self._handle_batch_output,
+            protocol.Reattach: self.handover.on_notice,
+            protocol.AbortRequests: lambda msg: None,  # the engine's finish entry says it
         }
         self._tasks: set[asyncio.Task[None]] = set()
-        self.claims = RidClaims(redis, self.keys, self.api_id, self._spawn)
+        self.claims = RidClaims(redis, self.keys, self.api_id, self.spawn)
+        self.aborts = Aborts(self)
+        self.gaps = GapFiller(self)
+        self.maintenance = Maintenance(self)
+        self.pumps: set[ResponsePump] = set()
+        self.draining = False
         api = settings.api
         self.tok = TextTokenizer(
             model.tokenizer,
@@ -63,71 +84,141 @@ class TokenizerManager:
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         await self.listener.start()
+        self.maintenance.start()
 
     async def close(self) -> None:
-        """Abort what is still running here (best effort), then stop listening."""
-        rids = list(self.rid_to_state)
-        if rids:
-            await self._abort_and_finish(rids, "The server is shutting down.", 503, attempts=1)
+        """Hand streams to the fleet, abort the rest (best effort), stop beating, listening."""
+        self.draining = True
+        await self.shed()
+        await self.maintenance.stop()
         await self.listener.stop()
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=REDIS_TIMEOUT_S)
+            await asyncio.wait(self._tasks, timeout=3 * REDIS_TIMEOUT_S)
         await self.tok.close()
 
     async def is_healthy(self) -> bool:
-        if not self.listener.subscribed:
+        if self.draining or not self.listener.subscribed:
             return False
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 return bool(await self.redis.ping())
-        except (RedisError, OSError, TimeoutError):
+        except REDIS_ERRORS:
             return False
+
+    def start_drain(self) -> None:
+        """SIGTERM: /health and new requests answer 503 from now on; in-flight ones go on."""
+        if not self.draining:
+            logger.info("draining: %d requests in flight", len(self.rid_to_state))
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Wait until no client here waits for a request (TimeoutError after timeout_s);
+        streams whose client already left do not count: they are released at once."""
+        async with asyncio.timeout(timeout_s):
+            while self.num_waited_on():
+                await asyncio.sleep(0.05)
+
+    def num_waited_on(self) -> int:
+        """Requests in flight with a client waiting here (streams: their attached pumps)."""
+        plain = sum(1 for s in self.rid_to_state.values() if s.stream_rid is None)
+        return plain + sum(1 for pump in self.pumps if not pump.detached)
+
+    async def shed(self) -> None:
+        """End what is still in flight: streams are released (left running, held by this
+        replica, for a re-attach elsewhere or the reaper); other requests are aborted (503)."""
+        for pump in list(self.pumps):
+            await pump.release()
+        rids = [rid for rid, s in self.rid_to_state.items() if not s.released]
+        if rids:
+            await self.aborts.abort_and_finish(rids, SHUTTING_DOWN, 503, attempts=1)
 
     # -- requests --------------------------------------------------------------------------
     async def generate(
-        self, reqs: Sequence[GenerateReq], request: Disconnectable | None = None
+        self,
+        reqs: Sequence[GenerateReq],
+        request: Disconnectable | None = None,
+        stream: StreamSetup | None = None,
     ) -> AsyncGenerator[ReqOutput, None]:
         """Validate, tokenize and submit `reqs` (raising ApiError before anything is written);
         return their outputs: streaming requests yield every update, others only the final one
-        (batches in order when not streaming). Closing the iterator early aborts the rest."""
-        outputs = self._generate(list(reqs), request)
+        (batches in order when not streaming). Closing the iterator early aborts the rest.
+        `stream`: a streaming response's spec and attachment, written with the requests."""
+        if self.draining:
+            raise ServiceUnavailable(SHUTTING_DOWN)
+        outputs = self._generate(list(reqs), request, stream)
         await anext(outputs)  # runs up to the submission, so errors surface here
         return cast(AsyncGenerator[ReqOutput, None], outputs)
 
     async def _generate(
-        self, reqs: list[GenerateReq], request: Disconnectable | None
+        self, reqs: list[GenerateReq], request: Disconnectable | None, stream: StreamSetup | None
     ) -> AsyncGenerator[ReqOutput | None, None]:
         await self._tokenize(reqs)
         jobs = [build_job(req, req.input_ids, self.model, self.api_id) for req in reqs]
         self._check_local_duplicates(reqs)
         await self.claims.claim([req.rid for req in reqs])
         # From here on the rids are claimed: every exit releases them.
-        states = self._register(reqs)
+        states = self._register(reqs, stream)
         try:
-            await self._submit(jobs)
+            await self._submit(jobs, stream)
         except ServiceUnavailable:
             for state in states:
                 self.rid_to_state.pop(state.rid, None)
             self.claims.release_soon([s.rid for s in states], [])
             raise
         except BaseException:  # cancelled mid-submission: the job may be queued, abort it
-            self._abort_soon([s.rid for s in states], "Cancelled during submission.")
+            self.aborts.abort_soon([s.rid for s in states], "Cancelled during submission.")
             self.claims.release_soon([], [s.rid for s in states])
             raise
+        yield None
+        async for out in self.outputs(states, request):
+            yield out
+
+    async def outputs(
+        self, states: list[ReqState], request: Disconnectable | None = None
+    ) -> AsyncGenerator[ReqOutput, None]:
+        """The outputs of registered states (submitted here, or re-attached). However this
+        ends, what is unfinished is aborted, and the claims are released, except for the
+        states that were taken over (superseded) or left to the fleet (released)."""
         try:
-            yield None
-            if len(states) == 1:
-                async for out in self._wait_one_response(states[0], request):
-                    yield out
-            else:
-                async for out in self._wait_batch(states, request):
-                    yield out
+            waiter = wait_one(self, states[0], request) if len(states) == 1 else None
+            async for out in waiter or wait_batch(self, states, request):
+                yield out
         finally:
-            unfinished = [s.rid for s in states if not s.finished]
+            ours = [s for s in states if not s.superseded and not s.released]
+            unfinished = [s.rid for s in ours if not s.finished]
             if unfinished:
-                self._abort_soon(unfinished, "The client stopped waiting for the request.")
-            done = [s.rid for s in states if s.finished and not _aborted(s)]
-            self.claims.release_soon(done, [s.rid for s in states if s.rid not in done])
+                self.aborts.abort_soon(unfinished, "The client stopped waiting for the request.")
+            done = [s.rid for s in ours if s.finished and not _aborted(s)]
+            self.claims.release_soon(done, [s.rid for s in ours if s.rid not in done])
+            for state in states:
+                if state.superseded or state.released:
+                    self.forget(state)
+
+    def forget(self, state: ReqState) -> None:
+        """Drop a state from rid_to_state if it is still the one registered there."""
+        if self.rid_to_state.get(state.rid) is state:
+            del self.rid_to_state[state.rid]
+
+    def supersede(self, state: ReqState) -> None:
+        """Another attachment holds the request now: its waiter here ends quietly."""
+        if not state.finished and not state.superseded:
+            state.superseded = True
+            state.event.set()
+        self.forget(state)
+
+    def adopt(self, states: list[ReqState]) -> None:
+        """Register re-attached states, superseding whatever this replica held for them."""
+        if self.draining:
+            raise ServiceUnavailable(SHUTTING_DOWN)
+        for state in states:
+            old = self.rid_to_state.get(state.rid)
+            if old is not None:
+                self.supersede(old)
+            self.rid_to_state[state.rid] = state
+
+    def event_log(self, rid: str, attach_id: str, next_id: int = 0) -> EventLog:
+        return EventLog(self.redis, self.keys, rid, attach_id, next_id,
+                        self.maintenance.redis_down)  # fmt: skip
 
     async def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Token ids of `messages` through the tokenizer's chat template (off the event loop)."""
@@ -165,17 +256,23 @@ class TokenizerManager:
                 raise BadRequest(f"Duplicate request ID detected: {req.rid}", param="rid")
             seen.add(req.rid)
 
-    def _register(self, reqs: list[GenerateReq]) -> list[ReqState]:
+    def _register(self, reqs: list[GenerateReq], stream: StreamSetup | None) -> list[ReqState]:
         states = [
             ReqState(obj=req, index=i, prompt_tokens=len(req.input_ids))
             for i, req in enumerate(reqs)
         ]
+        if stream is not None:
+            stream.spec.fill(reqs, min(s.created_time for s in states))
+            stream.states = states
+            for state in states:
+                state.stream_rid, state.attach_id = stream.stream_rid, stream.attach_id
         # Registered before the XADD: a fast worker may answer before execute() returns.
         for state in states:
             self.rid_to_state[state.rid] = state
         return states
 
-    async def _submit(self, jobs: list[protocol.GenerateJob]) -> None:
+    async def _submit(self, jobs: list[protocol.GenerateJob], stream: StreamSetup | None) -> None:
+        rids = [job.rid for job in jobs]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 async with self.redis.pipeline(transaction=True) as pipe:
@@ -184,10 +281,14 @@ class TokenizerManager:
                             pipe, self.keys, job.rid, self.api_id, len(job.input_ids)
                         )
                         request_stream.submit(pipe, self.keys, job)
+                    reattach.hold(pipe, self.keys, self.api_id, rids)
+                    if stream is not None:
+                        spec = stream.spec.encode()
+                        reattach.save_stream(pipe, self.keys, rids, spec, stream.attach_id)
                     await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as e:
+        except REDIS_ERRORS as e:
             logger.error("submit failed rid=%s: %r", jobs[0].rid, e)
-            raise ServiceUnavailable("The request queue (Redis) is unavailable.") from e
+            raise unavailable(e, "The request queue (Redis) is unavailable.") from e
         for job in jobs:
             logger.info(
                 "submitted rid=%s prompt_tokens=%d max_new_tokens=%d embed=%s",
@@ -199,77 +300,8 @@ class TokenizerManager:
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 return await request_state.read(self.redis, self.keys, rid)
-        except (RedisError, OSError, TimeoutError) as e:
-            raise ServiceUnavailable("Redis is unavailable.") from e
-
-    # -- waiting ---------------------------------------------------------------------------
-    async def _wait_one_response(
-        self, state: ReqState, request: Disconnectable | None
-    ) -> AsyncGenerator[ReqOutput, None]:
-        check_s = self.settings.api.disconnect_check_s
-        last_check = time.monotonic()
-        while True:
-            try:
-                await asyncio.wait_for(state.event.wait(), timeout=check_s)
-            except TimeoutError:
-                await self._check_alive(state, request)
-                last_check = time.monotonic()
-                continue
-            state.event.clear()
-            if state.finished:
-                yield await self._ready(state.take_output())
-                return
-            if state.obj.stream:
-                yield await self._ready(state.take_output())
-            if time.monotonic() - last_check >= check_s:
-                await self._check_alive(state, request)
-                last_check = time.monotonic()
-
-    async def _ready(self, out: ReqOutput) -> ReqOutput:
-        """Decode (off the loop) the token texts that the output's logprobs will show."""
-        req = out.req
-        if out.logprobs is not None and (req.return_text_in_logprobs or req.openai):
-            await self.tok.ensure_token_texts(needed_token_ids(out))
-        return out
-
-    async def _check_alive(self, state: ReqState, request: Disconnectable | None) -> None:
-        if request is not None and await request.is_disconnected():
-            logger.info("client disconnected rid=%s", state.rid)
-            raise ClientDisconnected(f"Request is disconnected from the client side: {state.rid}")
-        idle = time.monotonic() - state.last_time
-        if idle > self.settings.api.request_timeout_s and not state.finished:
-            logger.warning("no output for %.0fs rid=%s: aborting", idle, state.rid)
-            message = f"No output for {idle:.0f} s; the request timed out."
-            await self._abort_and_finish([state.rid], message, 504)
-
-    async def _wait_batch(
-        self, states: list[ReqState], request: Disconnectable | None
-    ) -> AsyncGenerator[ReqOutput, None]:
-        gens = [self._wait_one_response(s, request) for s in states]
-        if not states[0].obj.stream:  # one final output each, in batch order
-            tasks = [asyncio.ensure_future(_last(g)) for g in gens]
-            try:
-                for out in await asyncio.gather(*tasks):
-                    yield out
-            finally:
-                for task in tasks:
-                    task.cancel()
-            return
-        pending = {asyncio.ensure_future(anext(g)): g for g in gens}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    gen = pending.pop(task)
-                    try:
-                        out = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    yield out
-                    pending[asyncio.ensure_future(anext(gen))] = gen
-        finally:
-            for task in pending:
-                task.cancel()
+        except REDIS_ERRORS as e:
+            raise unavailable(e, "Redis is unavailable.") from e
 
     # -- aborts ----------------------------------------------------------------------------
     async def abort_request(
@@ -281,55 +313,14 @@ class TokenizerManager:
     ) -> None:
         """Write the abort to Redis (marker + broadcast), THEN end the local requests with an
         abort output. Raises ServiceUnavailable, leaving local state alone, if Redis is down."""
-        await self._write_abort(rids)
-        self._finish_locally(rids, message, status_code)
+        await self.aborts.abort_request(rids, message, status_code)
 
     async def abort_all(self) -> None:
         rids = list(self.rid_to_state)
         if rids:
             await self.abort_request(rids)
 
-    async def _write_abort(self, rids: list[str]) -> None:
-        try:
-            async with asyncio.timeout(REDIS_TIMEOUT_S):
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    request_state.abort(pipe, self.keys, rids)
-                    await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as e:
-            raise ServiceUnavailable("Could not write the abort: Redis is unavailable.") from e
-        for rid in rids:
-            logger.info("abort written rid=%s", rid)
-
-    def _finish_locally(self, rids: list[str], message: str, status_code: int | None) -> None:
-        reason = protocol.FinishReason(type="abort", message=message, status_code=status_code)
-        for rid in rids:
-            state = self.rid_to_state.pop(rid, None)
-            if state is not None and not state.finished:
-                state.finish(reason)
-
-    async def _abort_and_finish(
-        self, rids: list[str], message: str, status_code: int | None = None, attempts: int = 0
-    ) -> None:
-        """Internal aborts (disconnects, timeouts, shutdown): retry the Redis write, then end
-        the local requests even if Redis stayed unreachable (nothing else could clean them)."""
-        for attempt in range(attempts or _ABORT_ATTEMPTS):
-            try:
-                await self._write_abort(rids)
-                break
-            except ServiceUnavailable:
-                logger.warning("abort write failed (attempt %d) rid=%s", attempt + 1, rids[0])
-                await asyncio.sleep(0.2 * 2**attempt)
-        else:
-            logger.error("could not write the abort of %d requests rid=%s", len(rids), rids[0])
-        self._finish_locally(rids, message, status_code)
-
-    def _abort_soon(self, rids: list[str], message: str) -> None:
-        """Abort from code that must not await (finally blocks of cancelled generators)."""
-        logger.info("aborting %d requests rid=%s: %s", len(rids), rids[0], message)
-        if not self._spawn(self._abort_and_finish(rids, message)):
-            self._finish_locally(rids, message, None)  # no loop any more: local cleanup only
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> bool:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> bool:
         """Run `coro` in the background (awaited on close); False when there is no loop."""
         try:
             task = asyncio.get_running_loop().create_task(coro)
@@ -349,34 +340,41 @@ class TokenizerManager:
         handler(msg)
 
     def _handle_batch_output(self, batch: protocol.TextBatch) -> None:
-        now = time.time()
         for entry in batch.entries:
             state = self.rid_to_state.get(entry.rid)
-            if state is None or not state.accept(entry):
-                continue  # not ours (finished, aborted, another replica's), stale or duplicate
-            if entry.token_ids and not state.first_token_time:
-                state.first_token_time = now
-            state.last_time = time.monotonic()
-            state.completion_tokens = max(state.completion_tokens, entry.completion_tokens)
-            state.cached_tokens = entry.cached_tokens
-            if entry.finish is None:
-                state.event.set()
-                continue
-            del self.rid_to_state[entry.rid]
-            state.finish(entry.finish)
-            logger.info(
-                "finished rid=%s reason=%s completion_tokens=%d e2e=%.3fs",
-                entry.rid, entry.finish.type, state.completion_tokens, now - state.created_time,
-            )  # fmt: skip
+            if state is not None:  # else: not ours (finished, aborted, another replica's)
+                self.apply(state, entry)
+
+    def apply(self, state: ReqState, entry: protocol.TextEntry) -> None:
+        """One entry for a registered state: wake its waiter, or end it on a finish; a gap
+        asks the engine for a resend (api.gaps)."""
+        now = time.time()
+        state.last_time = time.monotonic()
+        had = state.next_seq
+        news = state.accept(entry)
+        if state.held:
+            self.gaps.on_gap(state)
+        elif news and state.resend_at and state.next_seq > had:
+            state.resend_at = 0.0  # what was asked for arrived
+        if not news:
+            return
+        if state.next_seq > had and not state.first_token_time:
+            state.first_token_time = now
+        if state.finish_seen is None:
+            state.event.set()
+            return
+        self.forget(state)
+        state.finish(state.finish_seen)
+        logger.info(
+            "finished rid=%s reason=%s completion_tokens=%d e2e=%.3fs",
+            entry.rid, state.finish_seen.type, state.completion_tokens, now - state.created_time,
+        )  # fmt: skip
+
+    def resync(self) -> None:
+        """The output channel was lost for a while: ask for every live request's text again
+        from where this replica is (nothing published meanwhile reached it)."""
+        self.gaps.request(list(self.rid_to_state.values()))
 
 
 def _aborted(state: ReqState) -> bool:
     return state.finish_reason is None or state.finish_reason.type == "abort"
-
-
-async def _last(gen: AsyncGenerator[ReqOutput, None]) -> ReqOutput:
-    last: ReqOutput | None = None
-    async for out in gen:
-        last = out
-    assert last is not None, "a waiter ended without a terminal output"
-    return last

@@ -199,3 +199,10 @@ class RequestState(msgspec.Struct, omit_defaults=True, kw_only=True):
     finish_reason: FinishReason | None = None  # JSON in the hash
     created_at: float | None = None  # unix time
     finished_at: float | None = None
+    # Resumable streams (written by the api through shared.reattach): the rid whose event
+    # log `events:{rid}` holds this request's SSE events (a batch's first rid); on that rid's
+    # own hash, the response's render spec (JSON, api.stream_spec) and the one attachment
+    # (api replica + HTTP response) that may append to the log.
+    stream_rid: str | None = None
+    stream_spec: str | None = None
+    attach_id: str | None = None

@@ -14,18 +14,16 @@ from api.inputs import (
     openai_finish_reason,
 )
 from api.logprobs import chat_logprobs
+from api.renderers import OpenAIHead, usage_of
 from api.req_state import ReqOutput
-from api.routes.common import OpenAIHead, make_router, usage_of
-from api.routes.respond import respond
+from api.routes.common import make_router
+from api.routes.respond import openai_spec, respond
 from api.schemas.openai import (
     AssistantMessage,
     ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatStreamChoice,
-    DeltaMessage,
 )
 from api.tokenizer_manager import TokenizerManager
 
@@ -44,7 +42,6 @@ async def create_chat_completion(
     messages = chat_messages(body)
     input_ids = await tm.render_chat(messages, **chat_template_kwargs(body))
     base, reqs = chat_reqs(body, input_ids, tm.settings.api)
-    outputs = await tm.generate(reqs, request)
     head = OpenAIHead(id=f"chatcmpl-{base}", model=tm.model.served_model_name)
 
     def answer(results: list[ReqOutput]) -> ChatCompletionResponse:
@@ -52,7 +49,7 @@ async def create_chat_completion(
             ChatChoice(
                 index=out.index,
                 message=AssistantMessage(content=out.text),
-                logprobs=_logprobs(out, tm, 0),
+                logprobs=_logprobs(out, tm),
                 finish_reason=openai_finish_reason(out),
                 matched_stop=matched_stop(out),
             )
@@ -63,23 +60,11 @@ async def create_chat_completion(
             id=head.id, created=head.created, model=head.model, choices=choices, usage=usage
         )
 
-    def stream_choice(out: ReqOutput) -> ChatStreamChoice:
-        return ChatStreamChoice(
-            index=out.index,
-            delta=DeltaMessage(content=out.delta) if out.delta else DeltaMessage(),
-            logprobs=_logprobs(out, tm, out.start),
-            finish_reason=openai_finish_reason(out),
-        )
-
-    # Each choice of a stream opens with the assistant role.
-    role = DeltaMessage(role="assistant", content="")
-    opening = [ChatStreamChoice(index=index, delta=role) for index in range(len(reqs))]
-    return await respond(
-        outputs, body, len(reqs), answer, stream_choice, ChatCompletionChunk, head, opening
-    )
+    spec = openai_spec("chat", head, len(reqs), body)
+    return await respond(tm, reqs, request, body, spec, answer)
 
 
-def _logprobs(out: ReqOutput, tm: TokenizerManager, start: int) -> ChatLogprobs | None:
+def _logprobs(out: ReqOutput, tm: TokenizerManager) -> ChatLogprobs | None:
     if out.logprobs is None:
         return None
-    return ChatLogprobs(**chat_logprobs(out, tm.tok.token_texts, start))
+    return ChatLogprobs(**chat_logprobs(out, tm.tok.token_texts, 0))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -12,15 +11,15 @@ from urllib.parse import urlsplit, urlunsplit
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from api import sse
 from api.deps import ModelDep, TokenizerManagerDep
 from api.errors import ServiceUnavailable
 from api.inputs import native_reqs, raise_for_error
-from api.logprobs import sglang_logprobs
-from api.req_state import ReqOutput
-from api.routes.common import collect, make_router, stream_outputs
+from api.renderers import native_output
+from api.routes.common import collect, make_router
 from api.schemas.native import AbortRequestIn, GenerateRequest
-from api.tokenizer_manager import TokenizerManager
+from api.stream_spec import StreamSpec
+from api.streams import stream_response
+from api.tokenizer_manager import SHUTTING_DOWN
 
 logger = logging.getLogger(__name__)
 
@@ -31,36 +30,17 @@ router = make_router("native")
 @router.put("/generate", response_model=None, include_in_schema=False)
 async def generate(body: GenerateRequest, request: Request, tm: TokenizerManagerDep) -> Response:
     """Generate from `text` or `input_ids` (single or batch, `n` samples each); SSE when
-    `stream` is true: cumulative chunks, or deltas with --incremental-streaming-output."""
+    `stream` is true: cumulative chunks, or deltas with --incremental-streaming-output;
+    batch items' chunks interleave as they come, tagged with their index."""
     reqs, is_single = native_reqs(body, tm.settings.api)
-    outputs = await tm.generate(reqs, request)
     if body.stream:
-        return sse.response(_stream(outputs, is_single, tm))
-    results = await collect(outputs)
+        incremental = tm.settings.api.incremental_streaming_output
+        spec = StreamSpec(kind="generate", is_single=is_single, incremental=incremental)
+        return await stream_response(tm, reqs, spec, request)
+    results = await collect(await tm.generate(reqs, request))
     raise_for_error(results)
-    payload = [native_output(out, tm) for out in results]
+    payload = [native_output(out, tm.tok.token_texts) for out in results]
     return JSONResponse(payload[0] if is_single else payload)
-
-
-def native_output(out: ReqOutput, tm: TokenizerManager) -> dict[str, Any]:
-    """SGLang's {text, output_ids, meta_info} (with logprob fields when asked for)."""
-    incremental = out.req.incremental
-    chunk = out.to_dict(incremental)
-    if out.logprobs is not None:
-        chunk["meta_info"].update(sglang_logprobs(out, tm.tok.token_texts, incremental))
-    return chunk
-
-
-async def _stream(
-    outputs: AsyncGenerator[ReqOutput, None], is_single: bool, tm: TokenizerManager
-) -> AsyncIterator[bytes]:
-    # Batch items' chunks interleave as they come (tagged with their index).
-    async for out in stream_outputs(outputs):
-        chunk = native_output(out, tm)
-        if not is_single:
-            chunk["index"] = out.index
-        yield sse.event(chunk)
-    yield sse.DONE
 
 
 @router.post("/abort_request")
@@ -76,9 +56,12 @@ async def abort_request(body: AbortRequestIn, tm: TokenizerManagerDep) -> Respon
 @router.get("/health")
 @router.get("/health_generate")
 async def health(tm: TokenizerManagerDep) -> Response:
-    """200 when Redis answers and the result channel is subscribed, else 503."""
+    """200 when Redis answers and the result channel is subscribed, else 503 (also from the
+    moment the replica drains for a shutdown)."""
     if await tm.is_healthy():
         return Response(status_code=200)
+    if tm.draining:
+        raise ServiceUnavailable(SHUTTING_DOWN)
     raise ServiceUnavailable("Redis is unreachable or the result channel is not subscribed.")
 
 

@@ -1,14 +1,11 @@
-"""/tokenize and /detokenize (also under /v1), and GET /v1/requests/{rid}: a request's durable
-state from Redis, whichever api replica holds it."""
+"""/tokenize and /detokenize (also under /v1)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from api.deps import TokenizerManagerDep
-from api.errors import BadRequest, NotFound
+from api.errors import BadRequest
 from api.inputs import embed_prompts
 from api.routes.common import make_router
 from api.schemas.native import DetokenizeRequest, TokenizeRequest
@@ -74,19 +71,3 @@ async def detokenize(body: DetokenizeRequest, tm: TokenizerManagerDep) -> dict[s
         check_ids(ids, tm.model, "tokens")
     texts = await tm.tok.decode_batch(batch, body.skip_special_tokens)
     return {"text": texts[0] if is_single else texts}
-
-
-@router.get("/v1/requests/{rid}")
-async def get_request(rid: str, tm: TokenizerManagerDep) -> dict[str, Any]:
-    """A request's state (status, owner, token counts, finish reason) from Redis."""
-    info = await tm.request_info(rid)
-    if not info:
-        raise NotFound(
-            f"Request {rid} was not found (unknown, or expired).",
-            param="rid",
-            code="request_not_found",
-        )
-    out: dict[str, Any] = {"id": rid, "object": "request", **msgspec.to_builtins(info)}
-    out["finish_reason"] = info.finish_reason.to_dict() if info.finish_reason else None
-    out["running_here"] = rid in tm.rid_to_state
-    return out

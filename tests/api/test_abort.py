@@ -1,10 +1,12 @@
-"""Aborts: /abort_request, client disconnects (streaming and not) and timeouts all write the
-abort to Redis, end the request with one terminal output, and leave no local state."""
+"""Aborts: /abort_request, client disconnects (non-streaming at once, streaming after the
+re-attach grace) and timeouts all write the abort to Redis, end the request with one terminal
+output, and leave no local state."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import httpx
@@ -16,6 +18,7 @@ from api.app import create_app
 from shared import protocol
 from shared.config import Settings
 from shared.keys import Keys
+from tests.support.app import running_app, with_api
 from tests.support.asgi import ManualClient
 from tests.support.backend import FakeBackend
 from tests.support.waiting import wait_until
@@ -76,24 +79,37 @@ async def test_abort_all_streaming(
 
 
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
-async def test_stream_disconnect_aborts(
-    app: FastAPI,
+async def test_stream_disconnect_aborts_after_the_grace(
+    settings: Settings,
     backend: FakeBackend,
     fake_redis: aioredis.Redis,
+    tokenizer: Any,
     keys: Keys,
     spec_version: str,
 ) -> None:
+    """A streaming request whose client went away keeps running (awaiting a re-attach) for
+    orphan_grace_s, then is aborted, and its log ends with the abort chunk and [DONE]."""
     backend.partial = True  # one chunk, then silence
-    manual = ManualClient(app, spec_version)
-    task = asyncio.create_task(manual.post("/generate", {"text": "hi", "rid": "s", "stream": True}))
-    await asyncio.wait_for(manual.got_body.wait(), 5)
-    assert manual.status == 200 and manual.body.startswith(b"data: {")
-    assert not await fake_redis.exists(keys.abort("s"))
-    manual.disconnect.set()
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(task, 5)
-    await wait_until(lambda: fake_redis.exists(keys.abort("s")))
-    await wait_until(lambda: _empty(app))
+    conf = with_api(settings, orphan_grace_s=0.4)
+    async with running_app(conf, fake_redis, tokenizer) as (app, _client):
+        manual = ManualClient(app, spec_version)
+        body = {"text": "hi", "rid": "s", "stream": True}
+        task = asyncio.create_task(manual.post("/generate", body))
+        await asyncio.wait_for(manual.got_body.wait(), 5)
+        assert manual.status == 200 and manual.body.startswith(b"id: 0\ndata: {")
+        gone = time.monotonic()
+        manual.disconnect.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 5)
+        await asyncio.sleep(0.2)
+        assert not await fake_redis.exists(keys.abort("s"))  # still waiting for a re-attach
+        assert "s" in app.state.manager.rid_to_state
+        await wait_until(lambda: fake_redis.exists(keys.abort("s")))
+        assert time.monotonic() - gone >= 0.4
+        await wait_until(lambda: _empty(app))
+        await wait_until(lambda: _logged(fake_redis, keys.events("s"), 3))
+        log = await fake_redis.lrange(keys.events("s"), 0, -1)
+        assert b'"type":"abort"' in log[1] and b"[DONE]" in log[2]
 
 
 async def test_non_stream_disconnect_aborts(
@@ -134,6 +150,10 @@ async def test_timeout_aborts_with_504(
 
 async def _empty(app: FastAPI) -> bool:
     return not app.state.manager.rid_to_state
+
+
+async def _logged(r: aioredis.Redis, key: str, n: int) -> bool:
+    return int(await r.llen(key)) >= n
 
 
 async def test_shutdown_aborts_running_requests(

@@ -57,17 +57,19 @@ async def test_lifespan_needs_a_redis_url(settings: Settings, tokenizer: Any) ->
 def test_main_runs_uvicorn(monkeypatch: pytest.MonkeyPatch, model_path: str) -> None:
     seen: dict[str, Any] = {}
 
-    def fake_run(app: Any, **kwargs: Any) -> None:
-        seen.update(kwargs, app=app)
+    def fake_run(server: Any, sockets: Any = None) -> None:
+        seen.update(server=server)
 
-    monkeypatch.setattr(api_main.uvicorn, "run", fake_run)
+    monkeypatch.setattr(api_main.DrainingServer, "run", fake_run)
     monkeypatch.setattr(api_main, "configure_logging", lambda level, name: seen.update(log=name))
     monkeypatch.setattr(api_main.signal, "signal", lambda sig, handler: seen.update({sig: handler}))
     settings = Settings(model=model_path, api=ApiSettings(host="0.0.0.0", port=1234))
     api_main.main(settings)
-    assert isinstance(seen["app"], FastAPI)
-    assert (seen["host"], seen["port"], seen["log"]) == ("0.0.0.0", 1234, "api")
-    assert seen["timeout_graceful_shutdown"] == api_main.GRACEFUL_SHUTDOWN_S
+    server = seen["server"]
+    assert isinstance(server, api_main.DrainingServer) and isinstance(server.app, FastAPI)
+    assert (server.config.host, server.config.port, seen["log"]) == ("0.0.0.0", 1234, "api")
+    assert server.config.timeout_graceful_shutdown == api_main.GRACEFUL_SHUTDOWN_S
+    assert server.drain_s == api_main.DRAIN_S
     assert signal.SIGTERM in seen
 
 

@@ -194,7 +194,7 @@ async def test_failed_submission_releases_the_claim(
 ) -> None:
     from api.errors import ServiceUnavailable
 
-    async def fail(jobs: Any) -> None:
+    async def fail(jobs: Any, stream: Any = None) -> None:
         raise ServiceUnavailable("The request queue (Redis) is unavailable.")
 
     monkeypatch.setattr(app.state.manager, "_submit", fail)

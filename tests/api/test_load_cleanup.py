@@ -1,6 +1,7 @@
 """After a load of 500 requests (valid ones streamed or not, invalid ones, and ones aborted by
-/abort_request or by a client that went away) on a real redis-server, `rid_to_state` is empty
-and every Redis key the requests created is gone or has a TTL."""
+/abort_request or by a client that went away: streams after the re-attach grace) on a real
+redis-server, `rid_to_state` is empty and every Redis key the requests created (states, event
+logs, held-rid sets, the heartbeat) is gone or has a TTL."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from fastapi import FastAPI
 
 from shared.config import Settings
 from shared.keys import ABORT_TTL_S, Keys
-from tests.support.app import running_app
+from tests.support.app import running_app, with_api
 from tests.support.asgi import ManualClient
 from tests.support.backend import FakeBackend
 from tests.support.waiting import wait_until
@@ -130,6 +131,8 @@ async def test_500_requests_leave_no_state(
     kinds = _kinds()
     statuses: Counter[tuple[str, int]] = Counter()
     gate = asyncio.Semaphore(CONCURRENCY)
+    # Streams whose client went away are aborted once nobody re-attached within the grace.
+    settings = with_api(settings, orphan_grace_s=0.2)
     async with running_app(settings, real_redis, tokenizer) as (app, client):
 
         async def run(i: int, kind: str) -> None:

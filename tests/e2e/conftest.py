@@ -13,6 +13,8 @@ from shared.config import ApiSettings, SchedulerSettings, Settings
 from shared.embedded_redis import free_port
 from tests.support.stack import Stack, wait_ready
 
+ORPHAN_GRACE_S = 0.5
+
 
 @pytest.fixture(scope="session")
 def stack(
@@ -22,7 +24,9 @@ def stack(
         redis_url=redis_url,
         key_prefix=f"e2e{uuid.uuid4().hex[:6]}",
         model=model_path,
-        api=ApiSettings(port=free_port(), api_id="e2e-api"),
+        # A stream whose client went away is aborted once this grace passed without a
+        # re-attach (GET /v1/requests/{rid}/stream).
+        api=ApiSettings(port=free_port(), api_id="e2e-api", orphan_grace_s=ORPHAN_GRACE_S),
         scheduler=SchedulerSettings(
             worker_id="e2e-scheduler", kv_cache_tokens=8192, dtype="float32"
         ),

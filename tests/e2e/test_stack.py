@@ -160,7 +160,8 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(stack: Stack) -> None:
     disconnected_at = time.monotonic()
     r = stack.redis()
     beat = stack.keys.heartbeat("scheduler", stack.settings.scheduler.worker_id)
-    while time.monotonic() - disconnected_at < 1.0:
+    # The stream waits orphan_grace_s for a re-attach, then is aborted.
+    while time.monotonic() - disconnected_at < stack.settings.api.orphan_grace_s + 1.0:
         hb = r.hgetall(beat)
         status = r.hget(stack.keys.state(rid), "status")
         if status == "aborted" and hb and hb["num_free_blocks"] == hb["num_total_blocks"]:

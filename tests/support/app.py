@@ -35,8 +35,17 @@ async def running_app(
 
 
 def sse_events(body: str) -> list[str]:
-    """The `data:` payloads of an SSE body, checking the framing on the way."""
+    """The `data:` payloads of an SSE body, checking the framing on the way: every event is
+    its `id: N` line, then one `data:` line."""
+    return [data for _id, data in sse_frames(body)]
+
+
+def sse_frames(body: str) -> list[tuple[int, str]]:
+    """(id, data) of each event of an SSE body."""
     assert body.endswith("\n\n")
-    events = body.split("\n\n")[:-1]
-    assert all(e.startswith("data: ") for e in events), events
-    return [e.removeprefix("data: ") for e in events]
+    frames = []
+    for event in body.split("\n\n")[:-1]:
+        head, sep, data = event.partition("\ndata: ")
+        assert head.startswith("id: ") and sep, event
+        frames.append((int(head.removeprefix("id: ")), data))
+    return frames
