@@ -48,14 +48,14 @@ def start_tiers(
 def stop_tiers(
     procs: dict[str, subprocess.Popen[bytes]], timeout_s: float = 10.0, drain_s: float = 30.0
 ) -> None:
-    """SIGTERM each tier in STOP_ORDER and wait for it (`timeout_s` each, the scheduler
-    `drain_s` more: its drain time), killing one that does not stop in time."""
+    """SIGTERM each tier in STOP_ORDER and wait for it (`timeout_s` each, the scheduler and
+    the api `drain_s` more: they drain), killing one that does not stop in time."""
     for tier in sorted(procs, key=lambda t: STOP_ORDER.index(t) if t in STOP_ORDER else 99):
         proc = procs[tier]
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout_s + (drain_s if tier == "scheduler" else 0))
+            proc.wait(timeout_s + (drain_s if tier in ("scheduler", "api") else 0))
         except subprocess.TimeoutExpired:
             logger.warning("%s did not stop in time; killing it", tier)
             proc.kill()
