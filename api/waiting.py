@@ -31,6 +31,11 @@ class Host(Core, Protocol):
     aborts: Aborts
 
 
+# A request with no news for this long is looked at (resend, then its durable state): longer
+# than a step, shorter than a detokenizer's shards take to move (lease TTL + a tick).
+STALL_S = 3.0
+
+
 async def wait_one(
     tm: Host, state: ReqState, request: Disconnectable | None
 ) -> AsyncGenerator[ReqOutput, None]:
@@ -73,9 +78,13 @@ async def check_alive(
     if request is not None and await request.is_disconnected():
         logger.info("client disconnected rid=%s", state.rid)
         raise ClientDisconnected(f"Request is disconnected from the client side: {state.rid}")
+    idle = time.monotonic() - state.last_time
+    if idle > STALL_S and not (state.held or state.resend_at or state.finished):
+        # Its last entries may have gone to a shard nobody served (a detokenizer died just
+        # then): nothing else would come. Ask for a resend, then refill from rs:ids.
+        tm.gaps.request([state])
     if state.held or state.resend_at:
         await tm.gaps.check(state)
-    idle = time.monotonic() - state.last_time
     if idle > tm.settings.api.request_timeout_s and not state.finished:
         logger.warning("no output for %.0fs rid=%s: aborting", idle, state.rid)
         message = f"No output for {idle:.0f} s; the request timed out."

@@ -217,7 +217,7 @@ def kill_delays(kills: list[Kill], by_rid: dict[str, Stream]) -> list[float]:
 
 def _pct(values: list[float], q: int) -> float:
     if len(values) > 1:
-        return statistics.quantiles(values, n=100)[q - 1]
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
     return values[0] if values else float("nan")
 
 
@@ -251,6 +251,8 @@ def report(args: argparse.Namespace, streams: list[Stream], kills: list[Kill],
     lines = ["| what | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
     for s in failed[:5]:
         lines.append(f"\nfailed {s.rid}: {s.error}")
+    for s in hung[:5]:
+        lines.append(f"\nhung {s.rid} ({s.prompt!r}, {s.max_tokens} tokens, via {s.api})")
     return "\n".join(lines)
 
 

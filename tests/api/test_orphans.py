@@ -137,3 +137,22 @@ async def _no_held(r: aioredis.Redis, keys: Keys, api_id: str) -> bool:
 
 async def _asked(backend: ScriptedBackend, seqs: list[int]) -> bool:
     return any(m.api_id == API_ID and m.from_seqs == seqs for m in backend.reattaches)
+
+
+async def test_a_request_whose_last_messages_were_lost_finishes_from_its_durable_state(
+    app: Any, scripted: ScriptedBackend, tokenizer: Any
+) -> None:
+    """Its shard had no detokenizer when it finished (one died just then): no later entry
+    shows a gap, so the waiter notices the silence and reads rs:ids and the state hash."""
+    scripted.resend = False  # nobody holds the request any more
+    body = {"text": "hi", "rid": "quiet", "stream": True, "sampling_params": {"max_new_tokens": 9}}
+    client = SseClient(app).start("POST", "/generate", body)
+    await scripted.wait_job("quiet")
+    await scripted.step("quiet")
+    scripted.route["quiet"] = "nowhere"
+    await scripted.finish("quiet")  # the rest, and the finish, reach nobody
+    await client.finished(timeout=15)
+    text, ids = reply(tokenizer, 9)
+    assert text_of("generate", client.frames) == text
+    final = client.frames[-2][1]
+    assert f'"output_ids":{ids}'.replace(" ", "") in final

@@ -75,8 +75,9 @@ def replicas(redis_url: str, model_path: str, tmp_path_factory: pytest.TempPathF
         key_prefix=f"fault{uuid.uuid4().hex[:6]}",
         model=model_path,
         api=ApiSettings(port=free_port(), api_id="fault-a"),
-        scheduler=SchedulerSettings(worker_id="fault-scheduler", kv_cache_tokens=8192,
-                                    dtype="float32"),  # fmt: skip
+        scheduler=SchedulerSettings(
+            worker_id="fault-scheduler", kv_cache_tokens=8192, dtype="float32"
+        ),  # fmt: skip
     )
     log_dir = tmp_path_factory.mktemp("fault-logs")
     stack = Stack(settings, start_tiers(settings, log_dir), log_dir)

@@ -78,9 +78,7 @@ def _serves_again(stack: Fleet, within_s: float) -> float:
     raise AssertionError(f"not serving {within_s}s after Redis came back\n{stack.logs()}")
 
 
-def test_a_redis_restart_mid_stream_is_ridden_out(
-    stack: Fleet, reference: str, tap: Tap
-) -> None:
+def test_a_redis_restart_mid_stream_is_ridden_out(stack: Fleet, reference: str, tap: Tap) -> None:
     rid, stream, events = _open_stream(stack, 5)
     stack.server.kill()  # kill -9; the AOF (fsync every second) keeps the data
     time.sleep(1)
@@ -129,9 +127,7 @@ def test_a_full_redis_answers_503_with_the_reason(stack: Fleet) -> None:
     assert _serves_again(stack, 30) < 30
 
 
-def test_subscribers_cut_off_by_redis_lose_no_token(
-    stack: Fleet, reference: str, tap: Tap
-) -> None:
+def test_subscribers_cut_off_by_redis_lose_no_token(stack: Fleet, reference: str, tap: Tap) -> None:
     """What `client-output-buffer-limit pubsub` does to a slow subscriber (Redis closes its
     connection; loopback socket buffers are too big to make it happen in a test), done to
     every subscriber — api, detokenizer, scheduler control — three times mid-stream."""

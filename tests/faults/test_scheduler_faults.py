@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -106,6 +109,31 @@ def test_a_killed_schedulers_stream_resumes_on_another_with_the_same_text(
     _restart_missing_schedulers(stack)
 
 
+def test_a_seeded_sampled_stream_resumes_at_the_same_generator_position(
+    stack: Fleet, tap: Tap
+) -> None:
+    seeded = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    resp = httpx.post(stack.url() + "/v1/completions",
+                      json=completion(PROMPT, NUM_TOKENS, **seeded), timeout=120)  # fmt: skip
+    no_fault = resp.json()["choices"][0]["text"]
+    rid = _rid()
+    events: list[dict[str, Any]] = []
+    stream = stream_events(stack.url(), completion(PROMPT, NUM_TOKENS, rid=rid, **seeded))
+    for event in stream:
+        events.append(event)
+        if len(text_of(events)) >= 10:
+            break
+    owner = stack.worker_of(rid)
+    assert owner is not None
+    stack.kill(owner)
+    events += list(stream)
+
+    assert text_of(events) == no_fault  # sampled, yet the same: draws keyed by (seed, index)
+    assert stack.redis().hget(stack.keys.state(rid), "epoch") == "2"
+    assert_invariants(stack, tap)
+    _restart_missing_schedulers(stack)
+
+
 def test_with_no_scheduler_alive_jobs_wait_for_the_next_one(
     stack: Fleet, reference: str, tap: Tap
 ) -> None:
@@ -202,6 +230,26 @@ def test_a_job_delivered_too_often_is_dead_lettered_and_its_client_told(stack: F
     assert len(letters) == 1 and letters[0]["deliveries"] == "4"
     assert r.hget(keys.state(rid), "status") == "aborted"
     assert_invariants(stack)
+
+    # An operator looks, and requeues it: it runs again, its result readable by rid.
+    listed = _dlq(stack, "list")
+    assert rid in listed and "deliveries=4" in listed
+    assert f"requeued {rid}" in _dlq(stack, "retry", rid)
+    deadline = time.monotonic() + 60
+    while r.hget(keys.state(rid), "status") != "finished" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert r.hget(keys.state(rid), "status") == "finished"
+    assert r.llen(keys.ids(rid)) == 8
+    assert rid not in _dlq(stack, "list")
+    assert_invariants(stack)
+
+
+def _dlq(stack: Fleet, *args: str) -> str:
+    env = {**os.environ, "REDSERVE_REDIS_URL": stack.server.url,
+           "REDSERVE_KEY_PREFIX": stack.settings.key_prefix}  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "redserve.cli", "dlq", *args], env=env,
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    return done.stdout
 
 
 def _deliver_to_ghost(stack: Fleet) -> bytes:
