@@ -10,7 +10,7 @@ import pytest
 
 from shared.config import SchedulerSettings, Settings
 from shared.embedded_redis import EmbeddedRedis
-from tests.support.fleet import Fleet
+from tests.support.fleet import Fleet, Tap
 
 
 @pytest.fixture(scope="module")
@@ -28,3 +28,11 @@ def fleet(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield fleet
     finally:
         fleet.close()
+
+
+@pytest.fixture
+def tap(stack: Fleet) -> Iterator[Tap]:
+    """What reaches the api replica "api" during one case (each module defines `stack`)."""
+    tap = Tap(stack)
+    yield tap
+    tap.close()

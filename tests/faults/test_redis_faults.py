@@ -18,7 +18,8 @@ from tests.support.fleet import (
     assert_invariants,
     completion,
     finishes,
-    stream_events,
+    no_fault_text,
+    stream_until,
     text_of,
 )
 
@@ -40,27 +41,12 @@ def stack(fleet: Fleet) -> Fleet:
 
 @pytest.fixture(scope="module")
 def reference(stack: Fleet) -> str:
-    resp = httpx.post(stack.url() + "/v1/completions", json=completion(PROMPT, NUM_TOKENS),
-                      timeout=120)  # fmt: skip
-    assert resp.status_code == 200, resp.text
-    return str(resp.json()["choices"][0]["text"])
+    return no_fault_text(stack.url(), completion(PROMPT, NUM_TOKENS))
 
 
-@pytest.fixture
-def tap(stack: Fleet) -> Iterator[Tap]:
-    tap = Tap(stack)
-    yield tap
-    tap.close()
-
-
-def _open_stream(stack: Fleet, num_events: int) -> tuple[str, Iterator[dict[str, Any]], list[Any]]:
+def _open_stream(stack: Fleet, num_texts: int) -> tuple[str, Iterator[dict[str, Any]], list[Any]]:
     rid = f"redis-{uuid.uuid4().hex[:8]}"
-    stream = stream_events(stack.url(), completion(PROMPT, NUM_TOKENS, rid=rid))
-    events = []
-    for event in stream:
-        events.append(event)
-        if len([c for e in events for c in e["choices"] if c["text"]]) >= num_events:
-            break
+    stream, events = stream_until(stack.url(), completion(PROMPT, NUM_TOKENS, rid=rid), num_texts)
     return rid, stream, events
 
 

@@ -27,7 +27,8 @@ from tests.support.fleet import (
     assert_invariants,
     completion,
     finishes,
-    stream_events,
+    no_fault_text,
+    stream_until,
     text_of,
 )
 
@@ -54,17 +55,7 @@ def stack(fleet: Fleet) -> Fleet:
 @pytest.fixture(scope="module")
 def reference(stack: Fleet) -> str:
     """The no-fault text of the request every case sends."""
-    resp = httpx.post(stack.url() + "/v1/completions", json=completion(PROMPT, NUM_TOKENS),
-                      timeout=120)  # fmt: skip
-    assert resp.status_code == 200, resp.text
-    return str(resp.json()["choices"][0]["text"])
-
-
-@pytest.fixture
-def tap(stack: Fleet) -> Iterator[Tap]:
-    tap = Tap(stack)
-    yield tap
-    tap.close()
+    return no_fault_text(stack.url(), completion(PROMPT, NUM_TOKENS))
 
 
 def _rid() -> str:
@@ -72,16 +63,9 @@ def _rid() -> str:
 
 
 def _stream_until(
-    stack: Fleet, rid: str, num_events: int
+    stack: Fleet, rid: str, num_texts: int, **extra: Any
 ) -> tuple[Iterator[dict[str, Any]], list[dict[str, Any]]]:
-    """Start a streaming request and read its first `num_events` text events."""
-    events: list[dict[str, Any]] = []
-    stream = stream_events(stack.url(), completion(PROMPT, NUM_TOKENS, rid=rid))
-    for event in stream:
-        events.append(event)
-        if sum(bool(c["text"]) for e in events for c in e["choices"]) >= num_events:
-            break
-    return stream, events
+    return stream_until(stack.url(), completion(PROMPT, NUM_TOKENS, rid=rid, **extra), num_texts)
 
 
 def _restart_missing_schedulers(stack: Fleet) -> None:
@@ -96,7 +80,6 @@ def test_a_killed_schedulers_stream_resumes_on_another_with_the_same_text(
     rid = _rid()
     stream, events = _stream_until(stack, rid, 5)
     owner = stack.worker_of(rid)
-    assert owner in SCHEDULERS
     stack.kill(owner)  # kill -9
     events += list(stream)
 
@@ -113,19 +96,10 @@ def test_a_seeded_sampled_stream_resumes_at_the_same_generator_position(
     stack: Fleet, tap: Tap
 ) -> None:
     seeded = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
-    resp = httpx.post(stack.url() + "/v1/completions",
-                      json=completion(PROMPT, NUM_TOKENS, **seeded), timeout=120)  # fmt: skip
-    no_fault = resp.json()["choices"][0]["text"]
+    no_fault = no_fault_text(stack.url(), completion(PROMPT, NUM_TOKENS, **seeded))
     rid = _rid()
-    events: list[dict[str, Any]] = []
-    stream = stream_events(stack.url(), completion(PROMPT, NUM_TOKENS, rid=rid, **seeded))
-    for event in stream:
-        events.append(event)
-        if len(text_of(events)) >= 10:
-            break
-    owner = stack.worker_of(rid)
-    assert owner is not None
-    stack.kill(owner)
+    stream, events = _stream_until(stack, rid, 5, **seeded)
+    stack.kill(stack.worker_of(rid))
     events += list(stream)
 
     assert text_of(events) == no_fault  # sampled, yet the same: draws keyed by (seed, index)
@@ -140,7 +114,6 @@ def test_with_no_scheduler_alive_jobs_wait_for_the_next_one(
     rid = _rid()
     stream, events = _stream_until(stack, rid, 3)
     owner = stack.worker_of(rid)
-    assert owner is not None
     other = next(name for name in SCHEDULERS if name != owner)
     assert stack.stop(other) == 0  # idle: exits at once
     stack.kill(owner)
@@ -159,7 +132,6 @@ def test_a_frozen_scheduler_that_wakes_up_publishes_nothing_for_the_request_it_l
     rid = _rid()
     stream, events = _stream_until(stack, rid, 5)
     owner = stack.worker_of(rid)
-    assert owner is not None
     stack.signal(owner, signal.SIGSTOP)  # past the reclaim time: the other takes it over
     owner_woke = False
     try:
@@ -186,7 +158,6 @@ def test_sigterm_drains_then_hands_the_rest_over_at_once(
     rid = _rid()
     stream, events = _stream_until(stack, rid, 3)
     owner = stack.worker_of(rid)
-    assert owner is not None
     stopped_at = time.monotonic()
     code = stack.stop(owner)  # its drain (DRAIN_S) is too short for the rest of the request
     events += list(stream)

@@ -111,8 +111,11 @@ class Fleet:
             for p in sorted(self.log_dir.glob("*.log"))
         )
 
-    def worker_of(self, rid: str) -> str | None:
-        return self.redis().hget(self.keys.state(rid), "worker")  # type: ignore[return-value]
+    def worker_of(self, rid: str) -> str:
+        """The scheduler that runs `rid` now."""
+        worker = self.redis().hget(self.keys.state(rid), "worker")
+        assert isinstance(worker, str), f"{rid} has no worker"
+        return worker
 
 
 def _healthy(url: str) -> bool:
@@ -138,6 +141,26 @@ def stream_events(base_url: str, body: dict[str, Any]) -> Iterator[dict[str, Any
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 yield json.loads(line[len("data: ") :])
+
+
+def no_fault_text(base_url: str, body: dict[str, Any]) -> str:
+    """The text of `body` run as one non-streaming request (the reference of a case)."""
+    resp = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["text"])
+
+
+def stream_until(
+    base_url: str, body: dict[str, Any], num_texts: int
+) -> tuple[Iterator[dict[str, Any]], list[dict[str, Any]]]:
+    """Start a streaming request and read it until `num_texts` events carried text."""
+    events: list[dict[str, Any]] = []
+    stream = stream_events(base_url, body)
+    for event in stream:
+        events.append(event)
+        if sum(bool(c["text"]) for e in events for c in e.get("choices", [])) >= num_texts:
+            break
+    return stream, events
 
 
 def text_of(events: list[dict[str, Any]]) -> str:
