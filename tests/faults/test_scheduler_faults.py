@@ -171,6 +171,27 @@ def test_sigterm_drains_then_hands_the_rest_over_at_once(
     _restart_missing_schedulers(stack)
 
 
+def test_a_dead_replicas_stream_that_nobody_re_attaches_is_aborted_and_its_kv_freed(
+    stack: Fleet,
+) -> None:
+    stack.start("api-reaper", "api", env={"REDSERVE_API__ORPHAN_GRACE_S": "2"})
+    stack.start("api-victim", "api")
+    rid = _rid()
+    body = completion(PROMPT, 1000, rid=rid)  # far longer than the test waits
+    _stream, _events = stream_until(stack.url("api-victim"), body, 3)
+    stack.kill("api-victim")
+    r = stack.redis()
+    deadline = time.monotonic() + 90  # heartbeat TTL (10 s) + grace (2 s) + a reaper pass
+    while r.hget(stack.keys.state(rid), "status") != "aborted" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    info = httpx.get(stack.url() + f"/v1/requests/{rid}", timeout=10).json()
+    assert info["status"] == "aborted", info
+    assert r.llen(stack.keys.ids(rid)) < 1000
+    assert _kv_freed(stack), "a scheduler still runs the aborted request"
+    assert stack.stop("api-reaper") == 0
+    assert_invariants(stack)
+
+
 def test_a_job_delivered_too_often_is_dead_lettered_and_its_client_told(stack: Fleet) -> None:
     r = stack.redis()
     keys = stack.keys
@@ -221,6 +242,19 @@ def _dlq(stack: Fleet, *args: str) -> str:
     done = subprocess.run([sys.executable, "-m", "redserve.cli", "dlq", *args], env=env,
                           capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
     return done.stdout
+
+
+def _kv_freed(stack: Fleet, timeout_s: float = 10) -> bool:
+    """Whether every scheduler soon beats with nothing running and every KV block free."""
+    r = stack.redis()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        beats = [r.hgetall(stack.keys.heartbeat("scheduler", name)) for name in SCHEDULERS]
+        if all(b and b["num_running"] == "0" and b["num_free_blocks"] == b["num_total_blocks"]
+               for b in beats):  # fmt: skip
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def _deliver_to_ghost(stack: Fleet) -> bytes:
