@@ -79,7 +79,7 @@ class GapFiller:
         tm = self.tm
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                ids = await reattach.read_ids(tm.redis, tm.keys, state.rid)
+                ids = await request_state.output_ids(tm.redis, tm.keys, state.rid)
                 info = await request_state.read(tm.redis, tm.keys, state.rid)
         except REDIS_ERRORS as e:
             logger.warning("refill of rid=%s failed: %r", state.rid, e)

@@ -184,7 +184,3 @@ async def attach_id_of(r: aioredis.Redis, keys: Keys, stream_rid: str) -> str | 
     value = await r.hget(keys.state(stream_rid), "attach_id")  # type: ignore[misc]
     return value.decode() if isinstance(value, bytes) else value
 
-
-async def read_ids(r: aioredis.Redis, keys: Keys, rid: str) -> list[int]:
-    """The request's durable output ids (the scheduler's id log)."""
-    return [int(x) for x in await r.lrange(keys.ids(rid), 0, -1)]  # type: ignore[misc]

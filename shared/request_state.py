@@ -82,6 +82,11 @@ def read_ids(pipe: Pipe, keys: Keys, rid: str, start: int, end: int) -> None:
     pipe.lrange(keys.ids(rid), start, end - 1)
 
 
+async def output_ids(r: aioredis.Redis, keys: Keys, rid: str) -> list[int]:
+    """The request's whole id log (its output so far), [] when there is none."""
+    return [int(x) for x in await r.lrange(keys.ids(rid), 0, -1)]  # type: ignore[misc]
+
+
 def finish(
     pipe: Pipe,
     keys: Keys,

@@ -15,7 +15,7 @@ from api.errors import BadRequest, NotFound
 from api.reattach import open_stream
 from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, unavailable
 from api.routes.common import make_router
-from shared import reattach
+from shared import request_state
 
 router = make_router("requests")
 
@@ -39,7 +39,7 @@ async def get_request(rid: str, tm: TokenizerManagerDep) -> dict[str, Any]:
     out["running_here"] = rid in tm.rid_to_state
     try:
         async with asyncio.timeout(REDIS_TIMEOUT_S):
-            ids = await reattach.read_ids(tm.redis, tm.keys, rid)
+            ids = await request_state.output_ids(tm.redis, tm.keys, rid)
     except REDIS_ERRORS as e:
         raise unavailable(e, "Redis is unavailable.") from e
     out["output_ids"] = ids

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from api.app import create_app
 from shared.config import ApiSettings, Settings
 from shared.keys import Keys
+from tests.support.api_backend import ScriptedBackend
 from tests.support.app import API_ID
 from tests.support.backend import FakeBackend
 
@@ -64,4 +65,15 @@ async def backend(
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    await r.aclose()
+
+
+@pytest.fixture
+async def scripted(
+    fake_server: fakeredis.FakeServer, keys: Keys, tokenizer: Any
+) -> AsyncIterator[ScriptedBackend]:
+    """A back end a test steps by hand (what reaches whom, resends), on the app's Redis."""
+    r = fakeredis.FakeAsyncRedis(server=fake_server)
+    async with ScriptedBackend(r, keys, tokenizer) as backend:
+        yield backend
     await r.aclose()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import fakeredis
@@ -24,16 +23,6 @@ from tests.support.api_faults import SseClient, freeze, text_of
 from tests.support.app import API_ID, running_app, with_api
 from tests.support.backend import REPLY
 from tests.support.waiting import wait_until
-
-
-@pytest.fixture
-async def scripted(
-    fake_server: fakeredis.FakeServer, keys: Keys, tokenizer: Any
-) -> AsyncIterator[ScriptedBackend]:
-    r = fakeredis.FakeAsyncRedis(server=fake_server)
-    async with ScriptedBackend(r, keys, tokenizer) as backend:
-        yield backend
-    await r.aclose()
 
 
 def reply(tokenizer: Any, n: int) -> tuple[str, list[int]]:

@@ -71,16 +71,6 @@ def after(raw: bytes, event_id: int) -> bytes:
 
 
 @pytest.fixture
-async def scripted(
-    fake_server: fakeredis.FakeServer, keys: Keys, tokenizer: Any
-) -> AsyncIterator[ScriptedBackend]:
-    r = fakeredis.FakeAsyncRedis(server=fake_server)
-    async with ScriptedBackend(r, keys, tokenizer) as backend:
-        yield backend
-    await r.aclose()
-
-
-@pytest.fixture
 async def other(
     settings: Settings, fake_server: fakeredis.FakeServer, tokenizer: Any
 ) -> AsyncIterator[Any]:
