@@ -56,6 +56,26 @@ class ApiSettings(_Checked):
     # A streaming request whose client went away (or whose replica died) keeps running this
     # long for a re-attach (GET /v1/requests/{rid}/stream on any replica), then is aborted.
     orphan_grace_s: float = Field(default=30.0, ge=0)
+    # Admission (api.admission): at most this many requests accepted but not yet running on
+    # any scheduler, fleet-wide (SGLang's --max-queued-requests); above it a 503. 0 = no bound.
+    max_queued_requests: int = Field(default=0, ge=0)
+    # Per API key, shared by every replica through Redis (shared.limits): a token bucket of
+    # rate_limit_rps requests per second holding at most rate_limit_burst (0 = one second's
+    # worth, at least 1), and at most max_concurrent_requests_per_key requests in flight;
+    # beyond either a 429. 0 = off.
+    rate_limit_rps: float = Field(default=0.0, ge=0)
+    rate_limit_burst: int = Field(default=0, ge=0)
+    max_concurrent_requests_per_key: int = Field(default=0, ge=0)
+    # The soft watchdog (SGLang's --soft-watchdog-timeout): a request with no output for this
+    # long is logged with its rid, age, tokens so far and where it waits, once per period. Log
+    # only. 0 = off.
+    soft_watchdog_s: float = Field(default=300.0, ge=0)
+    # /health_generate answers 503 when its one-token request through the fleet takes longer
+    # (SGLang's HEALTH_CHECK_TIMEOUT).
+    health_generate_timeout_s: float = Field(default=20.0, gt=0)
+    # POST /update_weights_from_disk waits this long for every scheduler's result, then
+    # answers success false naming who did not answer (and the fleet goes back).
+    update_weights_timeout_s: float = Field(default=600.0, gt=0)
 
 
 Quantization = Literal["none", "int4", "w8a8_int8"]
@@ -121,6 +141,13 @@ class SchedulerSettings(_Checked):
     # On SIGTERM: stop reading jobs, finish running requests for up to drain_s, then hand
     # the rest to another scheduler at once.
     drain_s: float = Field(default=30.0, ge=0)
+    # SGLang's --watchdog-timeout: a loop that makes no progress this long (a step or a Redis
+    # call hung) dumps every thread's stack and exits non-zero, so its jobs are reclaimed and
+    # a supervisor restarts it. 0 = off.
+    watchdog_s: float = Field(default=300.0, ge=0)
+    # A port to serve this scheduler's own Prometheus metrics on (step time, batch size
+    # histograms; GET /metrics); 0 = none. The fleet's figures are on every api's /metrics.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
 
     def cuda_graph_batches(self) -> int:
         """The largest decode batch to record CUDA graphs for (0 = none): no batch is

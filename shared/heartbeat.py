@@ -2,15 +2,18 @@
 
 A worker refreshes its hash every step that changed its batch and at least every
 HEARTBEAT_EVERY_S; the key expires HEARTBEAT_TTL_S after the last beat, so a key that exists
-is a live worker. Health checks and (later) reclaim and metrics read them here.
+is a live worker. Health checks, reclaim, admission, metrics and `redserve status` read them
+here (`live_beats`: every live worker of a kind with its figures). The pipelines may be
+asyncio ones or, for a beat sent from a thread (a scheduler loading its model), plain ones.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
+import redis
 import redis.asyncio as aioredis
 
 from shared.keys import HEARTBEAT_TTL_S, Keys
@@ -19,6 +22,8 @@ from shared.keys import HEARTBEAT_TTL_S, Keys
 _REGISTRY_KEEP_S = 6 * HEARTBEAT_TTL_S
 
 WorkerKind = Literal["scheduler", "api", "detokenizer"]
+SchedulerState = Literal["loading", "ready", "paused", "updating", "draining"]
+SERVING_STATES = ("ready", "paused")
 SCHEDULER: WorkerKind = "scheduler"
 API: WorkerKind = "api"
 DETOKENIZER: WorkerKind = "detokenizer"
@@ -32,19 +37,41 @@ class SchedulerBeat(msgspec.Struct, frozen=True):
     num_free_blocks: int
     num_total_blocks: int
     updated_at: float = 0.0
+    # loading (model, kernels: `progress` says which) | ready | paused | updating (weights)
+    # | draining. Only a ready or paused scheduler has a model to serve with.
+    state: str = "ready"
+    progress: str = ""
+    model_path: str = ""
+    weight_version: str = ""
+    gen_throughput: float = 0.0  # generated tokens per second, recent
 
 
 class Beat(msgspec.Struct, frozen=True):
-    """The beat of a worker that reports nothing but being alive (api, detokenizer)."""
+    """The beat of a worker that reports nothing but being alive (api)."""
 
     updated_at: float = 0.0
 
 
+class DetokenizerBeat(msgspec.Struct, frozen=True):
+    """What a detokenizer reports with each beat: the shards it serves, the requests it
+    follows, and what it has done since it started (counters: they restart with it)."""
+
+    shards: str = ""  # the token shards it holds leases on, comma-separated ("0,2")
+    num_states: int = 0  # live per-request decode states
+    num_batches: int = 0  # TokenBatches handled
+    num_entries: int = 0  # TextEntries published
+    updated_at: float = 0.0
+
+
+AnyBeat = SchedulerBeat | DetokenizerBeat | Beat
+BeatT = TypeVar("BeatT", SchedulerBeat, DetokenizerBeat, Beat)
+
+
 def beat(
-    pipe: aioredis.client.Pipeline,
+    pipe: aioredis.client.Pipeline | redis.client.Pipeline,
     keys: Keys,
     worker_id: str,
-    fields: SchedulerBeat | Beat,
+    fields: AnyBeat,
     kind: WorkerKind = SCHEDULER,
 ) -> None:
     """Queue the beat: the hash (stamped now) and its expiry, and the worker's place in its
@@ -61,7 +88,10 @@ def beat(
 
 
 def forget(
-    pipe: aioredis.client.Pipeline, keys: Keys, worker_id: str, kind: WorkerKind = SCHEDULER
+    pipe: aioredis.client.Pipeline | redis.client.Pipeline,
+    keys: Keys,
+    worker_id: str,
+    kind: WorkerKind = SCHEDULER,
 ) -> None:
     """Queue the deletion of a worker's beat: a clean stop is seen at once, not a TTL later."""
     pipe.delete(keys.heartbeat(kind, worker_id))
@@ -92,3 +122,32 @@ async def live_workers(
     for worker_id in ids:
         pipe.exists(keys.heartbeat(kind, worker_id))
     return [w for w, alive in zip(ids, await pipe.execute(), strict=True) if alive]
+
+
+async def live_scheduler_beats(r: aioredis.Redis, keys: Keys) -> dict[str, SchedulerBeat]:
+    """The last beat of every live scheduler (two round trips, whatever their number)."""
+    return await live_beats(r, keys, SCHEDULER, SchedulerBeat)
+
+
+async def live_beats(
+    r: aioredis.Redis, keys: Keys, kind: WorkerKind, cls: type[BeatT]
+) -> dict[str, BeatT]:
+    """The last beat of every live worker of `kind`, as `cls` (two round trips, whatever
+    their number): those the registry lists as recent whose beat key still exists."""
+    since = time.time() - HEARTBEAT_TTL_S - 1
+    ids = [_text(w) for w in await r.zrangebyscore(keys.worker_registry(kind), since, "+inf")]
+    if not ids:
+        return {}
+    pipe = r.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.hgetall(keys.heartbeat(kind, worker_id))
+    beats: dict[str, BeatT] = {}
+    for worker_id, raw in zip(ids, await pipe.execute(), strict=True):
+        if raw:  # it expired in between
+            data = {_text(k): _text(v) for k, v in raw.items()}
+            beats[worker_id] = msgspec.convert(data, cls, strict=False)
+    return beats
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

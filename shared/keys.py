@@ -24,6 +24,15 @@ EVENTS_TTL_S = STATE_TTL_S
 REQUEST_STREAM_MAXLEN = 100_000
 
 SCHEDULER_GROUP = "schedulers"
+# Priority bands, in the order schedulers read them: one request stream each ("" = the
+# default stream `req`); a job goes to its priority's band (`band_of`).
+PRIORITY_BANDS = ("high", "", "low")
+# Results of a weight update are kept this long (seconds) for the api that asked.
+WEIGHTS_RESULTS_TTL_S = 3600
+# A request's slot in its API key's in-flight set expires this long after its api replica
+# last renewed it (a dead replica's slots free themselves).
+IN_FLIGHT_LEASE_S = 30
+
 # Dead letters (jobs delivered more than max_deliveries times) are trimmed to this many.
 DEAD_LETTER_MAXLEN = 10_000
 
@@ -37,6 +46,15 @@ class Keys:
     def request_stream(self) -> str:
         """Stream of GenerateJob entries; consumer group SCHEDULER_GROUP."""
         return f"{self.prefix}:req"
+
+    def request_stream_of(self, band: str) -> str:
+        """The request stream of a priority band (PRIORITY_BANDS); the default is `req`."""
+        return f"{self.prefix}:req:{band}" if band else self.request_stream
+
+    @property
+    def request_streams(self) -> list[str]:
+        """Every band's request stream, highest priority first."""
+        return [self.request_stream_of(band) for band in PRIORITY_BANDS]
 
     @property
     def dead_letters(self) -> str:
@@ -78,6 +96,35 @@ class Keys:
         """List of the SSE events a streaming response sent (event id = index), for replay."""
         return f"{self.prefix}:events:{rid}"
 
+    # -- fleet control ---------------------------------------------------------------------
+    @property
+    def pause(self) -> str:
+        """String: the fleet's pause mode (abort | retract | in_place) while paused."""
+        return f"{self.prefix}:pause"
+
+    @property
+    def weights(self) -> str:
+        """Hash: the fleet's target weights (model_path, weight_version, mode); absent = the
+        weights each scheduler started with."""
+        return f"{self.prefix}:weights"
+
+    def weights_results(self, weight_version: str) -> str:
+        """Hash: scheduler id -> "ok" or why loading `weight_version` failed."""
+        return f"{self.prefix}:weights:{weight_version}:results"
+
+    @property
+    def weights_turn(self) -> str:
+        """String (SET NX PX): the one scheduler loading new weights in a rolling update."""
+        return f"{self.prefix}:weights:turn"
+
+    def rate_limit(self, client: str) -> str:
+        """Hash: one API key's token bucket (tokens, at)."""
+        return f"{self.prefix}:limit:{client}:bucket"
+
+    def in_flight(self, client: str) -> str:
+        """Sorted set: one API key's requests in flight (rid -> expiry, unix time)."""
+        return f"{self.prefix}:limit:{client}:inflight"
+
     # -- workers ---------------------------------------------------------------------------
     def heartbeat(self, kind: str, worker_id: str) -> str:
         return f"{self.prefix}:worker:{kind}:{worker_id}"
@@ -93,6 +140,11 @@ class Keys:
     def shard_lease(self, shard: int) -> str:
         """String (SET NX PX): the detokenizer that owns token shard `shard` until it expires."""
         return f"{self.prefix}:lease:tok:{shard}"
+
+
+def band_of(priority: int) -> str:
+    """The priority band of a request: above 0 high, below 0 low, else the default."""
+    return "high" if priority > 0 else "low" if priority < 0 else ""
 
 
 def shard_of(rid: str, num_shards: int) -> int:

@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import LIVE_STATE_TTL_S, SCHEDULER_GROUP, STATE_TTL_S, Keys
+from shared.request_stream import locate
 
 Pipe = aioredis.client.Pipeline
 
@@ -46,10 +47,10 @@ for _, id in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do out[#out + 1] = id 
 return out
 """
 
-# KEYS: stream, then per entry its state and ids keys.
+# KEYS: per entry its stream, state and ids keys.
 # ARGV: group, live TTL, finished TTL, number of entries, then per entry
 #   epoch, seq, entry id, finish JSON or "", status, completion, cached, finished_at,
-#   number of ids, ids...; then the number of batches and per batch
+#   weight version, number of ids, ids...; then the number of batches and per batch
 #   channel, payload, number of its entries, their (1-based) entry indices.
 # -> {stale entry indices (1-based)..., 0, unpublished batch indices (1-based)...}
 _PUBLISH_STEP = """
@@ -57,29 +58,29 @@ local group, live_ttl, done_ttl = ARGV[1], ARGV[2], ARGV[3]
 local n, a = tonumber(ARGV[4]), 5
 local ok, out = {}, {}
 for i = 1, n do
-  local state, ids = KEYS[2 * i], KEYS[2 * i + 1]
+  local stream, state, ids = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   local epoch, seq, entry, finish = ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
-  local nids = tonumber(ARGV[a + 8])
+  local nids = tonumber(ARGV[a + 9])
   local len = redis.call('LLEN', ids)
   ok[i] = redis.call('HGET', state, 'epoch') == epoch and len >= seq
   if ok[i] then
     if len < seq + nids then  -- a resent step may find some of its ids there already
-      redis.call('RPUSH', ids, unpack(ARGV, a + 9 + len - seq, a + 8 + nids))
+      redis.call('RPUSH', ids, unpack(ARGV, a + 10 + len - seq, a + 9 + nids))
     end
     redis.call('EXPIRE', ids, live_ttl)
     if finish ~= '' then
       redis.call('HSET', state, 'status', ARGV[a + 4], 'finish_reason', finish,
         'completion_tokens', ARGV[a + 5], 'cached_tokens', ARGV[a + 6],
-        'finished_at', ARGV[a + 7])
+        'finished_at', ARGV[a + 7], 'weight_version', ARGV[a + 8])
       redis.call('EXPIRE', state, done_ttl)
       redis.call('EXPIRE', ids, done_ttl)
-      redis.call('XACK', KEYS[1], group, entry)
-      redis.call('XDEL', KEYS[1], entry)
+      redis.call('XACK', stream, group, entry)
+      redis.call('XDEL', stream, entry)
     end
   else
     out[#out + 1] = i
   end
-  a = a + 9 + nids
+  a = a + 10 + nids
 end
 out[#out + 1] = 0
 local nb = tonumber(ARGV[a])
@@ -93,7 +94,8 @@ end
 return out
 """
 
-# KEYS: stream. ARGV: group, me, ids... -> the ids no longer pending under `me`.
+# KEYS: stream. ARGV: group, me, ids... -> the (1-based) indices of the ids no longer
+# pending under `me`.
 _RENEW = """
 local lost = {}
 for i = 3, #ARGV do
@@ -101,7 +103,7 @@ for i = 3, #ARGV do
   if p and p[2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
   else
-    lost[#lost + 1] = ARGV[i]
+    lost[#lost + 1] = i - 2
   end
 end
 return lost
@@ -133,9 +135,10 @@ class Owned:
     ids: list[int]  # the output generated so far (the id log)
 
 
-def own(pipe: Pipe, keys: Keys, me: str, entry_id: bytes, rid: str) -> None:
+def own(pipe: Pipe, keys: Keys, me: str, entry_ref: bytes, rid: str) -> None:
     """Queue the ownership bump of `rid`'s job; decode its reply with `owned`."""
-    script_keys = [keys.request_stream, keys.state(rid), keys.ids(rid), keys.abort(rid)]
+    stream, entry_id = locate(keys, entry_ref)
+    script_keys = [stream, keys.state(rid), keys.ids(rid), keys.abort(rid)]
     _eval(pipe, _OWN, script_keys, [SCHEDULER_GROUP, me, entry_id, LIVE_STATE_TTL_S])
 
 
@@ -173,16 +176,18 @@ def publish_step(
     """Queue the step's fenced writes: per entry its appends (and finish + ack), then each
     (channel, payload, entry indices) batch, published only if all its entries are current.
     Decode the reply with `step_result`."""
-    script_keys = [keys.request_stream]
+    script_keys: list[str] = []
     args: list[str | bytes | int | float] = [SCHEDULER_GROUP, LIVE_STATE_TTL_S, STATE_TTL_S]
     args.append(len(entries))
     for step in entries:
         e = step.entry
-        script_keys += [keys.state(e.rid), keys.ids(e.rid)]
+        stream, entry_id = locate(keys, step.entry_id)
+        script_keys += [stream, keys.state(e.rid), keys.ids(e.rid)]
         finish = msgspec.json.encode(e.finish).decode() if e.finish else ""
         status = "aborted" if e.finish and e.finish.type == "abort" else "finished"
-        args += [e.epoch, e.seq, step.entry_id, finish, status, step.completion_tokens]
-        args += [e.cached_tokens, step.finished_at, len(e.token_ids), *e.token_ids]
+        args += [e.epoch, e.seq, entry_id, finish, status, step.completion_tokens]
+        args += [e.cached_tokens, step.finished_at, e.weight_version or ""]
+        args += [len(e.token_ids), *e.token_ids]
     args.append(len(batches))
     for channel, payload, members in batches:
         args += [channel, payload, len(members), *(m + 1 for m in members)]
@@ -195,22 +200,40 @@ def step_result(reply: list[int]) -> tuple[set[int], list[int]]:
     return {int(i) - 1 for i in reply[:split]}, [int(b) - 1 for b in reply[split + 1 :]]
 
 
-def renew(pipe: Pipe, keys: Keys, me: str, entry_ids: Iterable[bytes]) -> bool:
-    """Queue the renewal of `me`'s pending entries (False if there are none to renew);
-    the reply lists the entries someone else took."""
-    ids = list(entry_ids)
-    if ids:
-        _eval(pipe, _RENEW, [keys.request_stream], [SCHEDULER_GROUP, me, *ids])
-    return bool(ids)
+def renew(pipe: Pipe, keys: Keys, me: str, entry_refs: Iterable[bytes]) -> list[list[bytes]]:
+    """Queue the renewal of `me`'s pending entries: one script per stream, whose replies
+    `lost_entries` decodes. Returns the refs each queued script renews (none: nothing)."""
+    by_stream = _by_stream(keys, entry_refs)
+    for stream, (_refs, ids) in by_stream.items():
+        _eval(pipe, _RENEW, [stream], [SCHEDULER_GROUP, me, *ids])
+    return [refs for refs, _ids in by_stream.values()]
+
+
+def lost_entries(renewed: list[list[bytes]], replies: Sequence[list[int]]) -> set[bytes]:
+    """The refs someone else took, from `renew`'s replies."""
+    return {refs[int(i) - 1] for refs, lost in zip(renewed, replies, strict=True) for i in lost}
 
 
 async def hand_over(
-    r: aioredis.Redis, keys: Keys, me: str, entry_ids: Iterable[bytes], idle_ms: int
+    r: aioredis.Redis, keys: Keys, me: str, entry_refs: Iterable[bytes], idle_ms: int
 ) -> None:
     """Make `me`'s entries claimable at once by the next scheduler's reclaim."""
-    ids = list(entry_ids)
-    if ids:
-        await _eval(r, _HAND_OVER, [keys.request_stream], [SCHEDULER_GROUP, me, idle_ms, *ids])
+    for stream, (_refs, ids) in _by_stream(keys, entry_refs).items():
+        await _eval(r, _HAND_OVER, [stream], [SCHEDULER_GROUP, me, idle_ms, *ids])
+
+
+_Grouped = dict[str, tuple[list[bytes], list[bytes]]]
+
+
+def _by_stream(keys: Keys, entry_refs: Iterable[bytes]) -> _Grouped:
+    """Entry refs grouped by stream: (refs, their entry ids)."""
+    out: _Grouped = {}
+    for entry_ref in entry_refs:
+        stream, entry_id = locate(keys, entry_ref)
+        refs, ids = out.setdefault(stream, ([], []))
+        refs.append(entry_ref)
+        ids.append(entry_id)
+    return out
 
 
 def _eval(

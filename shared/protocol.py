@@ -6,7 +6,9 @@ Every message has `v`; a decoder refuses a newer major version with ProtocolVers
 - request stream  `req`          : GenerateJob                      (api -> scheduler)
 - token channel   `tok:{shard}`  : TokenBatch, one per scheduler step (scheduler -> detokenizer)
 - output channel  `out:{api_id}` : TextBatch, one per detokenizer batch (detokenizer -> api)
-- control channel `ctl`          : AbortRequests | Reattach         (anyone -> everyone)
+- control channel `ctl`          : AbortRequests | Reattach | PauseGeneration |
+                                   ContinueGeneration | FlushCache | UpdateWeights
+                                                                    (anyone -> everyone)
 Per-request entries carry `rid`, `epoch` (owner fencing token) and `seq` (index of the entry's
 first new token) so receivers can drop stale owners and detect gaps or duplicates.
 """
@@ -96,6 +98,10 @@ class GenerateJob(msgspec.Struct, tag="generate", omit_defaults=True):
     logprobs: LogprobRequest | None = None
     # Embedding job: prefill only, the finish entry carries the pooled last hidden state.
     embed: bool = False
+    # SGLang's `priority`: schedulers start higher values first.
+    priority: int = 0
+    # Unix time past which the request ends with an error wherever it is (0 = none).
+    deadline: float = 0.0
 
 
 class TokenEntry(msgspec.Struct, omit_defaults=True):
@@ -113,6 +119,10 @@ class TokenEntry(msgspec.Struct, omit_defaults=True):
     output_logprobs: Logprobs | None = None  # one position per token_ids element
     input_logprobs: Logprobs | None = None  # on the request's first entry only
     embedding: list[float] | None = None
+    # Seconds from submission to the step that started the request (its first entry only).
+    queue_time: float | None = None
+    # The weights that produced the request (its finish entry).
+    weight_version: str | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens", omit_defaults=True):
@@ -136,6 +146,8 @@ class TextEntry(msgspec.Struct, omit_defaults=True):
     output_logprobs: Logprobs | None = None
     input_logprobs: Logprobs | None = None
     embedding: list[float] | None = None
+    queue_time: float | None = None
+    weight_version: str | None = None
 
 
 class TextBatch(msgspec.Struct, tag="text", omit_defaults=True):
@@ -160,10 +172,44 @@ class Reattach(msgspec.Struct, tag="reattach", omit_defaults=True):
     v: int = PROTOCOL_VERSION
 
 
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class PauseGeneration(msgspec.Struct, tag="pause", omit_defaults=True):
+    """Every scheduler stops stepping (the `pause` key holds the mode for late joiners):
+    `abort` ends its requests, `retract` returns them to its queue (KV freed), `in_place`
+    keeps them with their KV. New jobs wait in the stream until ContinueGeneration."""
+
+    mode: PauseMode = "abort"
+    v: int = PROTOCOL_VERSION
+
+
+class ContinueGeneration(msgspec.Struct, tag="continue", omit_defaults=True):
+    v: int = PROTOCOL_VERSION
+
+
+class FlushCache(msgspec.Struct, tag="flush_cache", omit_defaults=True):
+    """Every scheduler empties its prefix cache (blocks in use stay)."""
+
+    v: int = PROTOCOL_VERSION
+
+
+class UpdateWeights(msgspec.Struct, tag="update_weights", omit_defaults=True):
+    """The fleet's target weights changed (the `weights` hash holds them): schedulers load
+    `model_path` as `weight_version`, all at once (`all`) or one at a time (`rolling`)."""
+
+    model_path: str
+    weight_version: str
+    mode: Literal["all", "rolling"] = "all"
+    v: int = PROTOCOL_VERSION
+
+
 StreamMessage = GenerateJob
 TokenMessage = TokenBatch
 OutputMessage = TextBatch
-ControlMessage = AbortRequests | Reattach
+ControlMessage = (
+    AbortRequests | Reattach | PauseGeneration | ContinueGeneration | FlushCache | UpdateWeights
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
@@ -206,3 +252,5 @@ class RequestState(msgspec.Struct, omit_defaults=True, kw_only=True):
     stream_rid: str | None = None
     stream_spec: str | None = None
     attach_id: str | None = None
+    # The weights that produced the output (written at finish).
+    weight_version: str | None = None

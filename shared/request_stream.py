@@ -1,9 +1,14 @@
-"""The commands on the request stream (`req`, group `schedulers`) and its dead letters.
+"""The commands on the request streams (one per priority band, group `schedulers`) and
+their dead letters.
 
-The api submits GenerateJob entries; schedulers read them through the consumer group, only
-as many as they have room for, take over those of dead schedulers (`reclaim`), and ack each
-one after its request finished (in shared.ownership's fenced step script). A job delivered
-too often is moved to the dead-letter stream (`dead_letter`), which `redserve dlq` manages.
+The api submits GenerateJob entries to their priority's band; schedulers read them through
+the consumer group, highest band first and only as many as they have room for, take over
+those of dead schedulers (`reclaim`), and ack each one after its request finished (in
+shared.ownership's fenced step script). A job delivered too often is moved to the
+dead-letter stream (`dead_letter`), which `redserve dlq` manages.
+
+An entry is named by its ref: the stream entry id, prefixed with `band/` outside the default
+band (so ids of different streams never mix); `locate` turns a ref back into stream + id.
 """
 
 from __future__ import annotations
@@ -15,26 +20,47 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from shared import protocol, request_state
-from shared.keys import DEAD_LETTER_MAXLEN, REQUEST_STREAM_MAXLEN, SCHEDULER_GROUP, Keys
+from shared.keys import (
+    DEAD_LETTER_MAXLEN,
+    PRIORITY_BANDS,
+    REQUEST_STREAM_MAXLEN,
+    SCHEDULER_GROUP,
+    Keys,
+    band_of,
+)
 
 logger = logging.getLogger(__name__)
 
 _FIELD = b"job"
 
+Job = tuple[bytes, protocol.GenerateJob | None]  # entry ref, job (None: undecodable)
+Cursors = dict[str, bytes]  # band -> XAUTOCLAIM cursor
+
+
+def ref(band: str, entry_id: bytes) -> bytes:
+    return band.encode() + b"/" + entry_id if band else entry_id
+
+
+def locate(keys: Keys, entry_ref: bytes) -> tuple[str, bytes]:
+    """The stream and the entry id an entry ref names."""
+    band, _, entry_id = entry_ref.rpartition(b"/")
+    return keys.request_stream_of(band.decode()), entry_id
+
 
 async def ensure_group(r: aioredis.Redis, keys: Keys) -> None:
-    """Create the consumer group (and the stream) if missing; Redis restarts drop it."""
-    try:
-        await r.xgroup_create(keys.request_stream, SCHEDULER_GROUP, id="0", mkstream=True)
-    except ResponseError as e:
-        if "BUSYGROUP" not in str(e):
-            raise
+    """Create the consumer group (and the streams) if missing; Redis restarts drop them."""
+    for stream in keys.request_streams:
+        try:
+            await r.xgroup_create(stream, SCHEDULER_GROUP, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
 
 
 def submit(pipe: aioredis.client.Pipeline, keys: Keys, job: protocol.GenerateJob) -> None:
-    """Queue XADD of `job` on `pipe` (the caller executes the pipeline)."""
+    """Queue XADD of `job` to its priority band's stream on `pipe` (the caller executes)."""
     pipe.xadd(
-        keys.request_stream,
+        keys.request_stream_of(band_of(job.priority)),
         {_FIELD: protocol.encode(job)},
         maxlen=REQUEST_STREAM_MAXLEN,
         approximate=True,
@@ -43,42 +69,62 @@ def submit(pipe: aioredis.client.Pipeline, keys: Keys, job: protocol.GenerateJob
 
 async def read(
     r: aioredis.Redis, keys: Keys, consumer: str, count: int, block_ms: int | None
-) -> list[tuple[bytes, protocol.GenerateJob | None]]:
-    """Read up to `count` new jobs for `consumer`. Undecodable entries come back as None
-    so the caller can ack them (a bad job must not be redelivered forever)."""
+) -> list[Job]:
+    """Read up to `count` new jobs for `consumer`, from the highest band down; only the
+    default band's read blocks (for `block_ms`), and only when the high band had none.
+    Undecodable entries come back as None so the caller can ack them (a bad job must not
+    be redelivered forever)."""
+    out: list[Job] = []
+    for band in PRIORITY_BANDS:
+        if len(out) >= count:
+            break
+        block = block_ms if band == "" and not out else None
+        out += await _read_band(r, keys, band, consumer, count - len(out), block)
+    return out
+
+
+async def _read_band(
+    r: aioredis.Redis, keys: Keys, band: str, consumer: str, count: int, block_ms: int | None
+) -> list[Job]:
+    stream = keys.request_stream_of(band)
     try:
-        resp = await r.xreadgroup(
-            SCHEDULER_GROUP, consumer, {keys.request_stream: ">"}, count=count, block=block_ms
-        )
+        resp = await r.xreadgroup(SCHEDULER_GROUP, consumer, {stream: ">"}, count=count,
+                                  block=block_ms)  # fmt: skip
     except ResponseError as e:
         if "NOGROUP" not in str(e):
             raise
         await ensure_group(r, keys)
         return []
-    out: list[tuple[bytes, protocol.GenerateJob | None]] = []
-    for _stream, entries in resp or []:
-        for entry_id, fields in entries:
-            out.append((entry_id, _decode_job(entry_id, fields)))
-    return out
+    return [
+        (ref(band, entry_id), _decode_job(entry_id, fields))
+        for _stream, entries in resp or []
+        for entry_id, fields in entries
+    ]
 
 
 async def reclaim(
-    r: aioredis.Redis, keys: Keys, consumer: str, min_idle_ms: int, count: int, cursor: bytes
-) -> tuple[bytes, list[tuple[bytes, protocol.GenerateJob | None]]]:
+    r: aioredis.Redis, keys: Keys, consumer: str, min_idle_ms: int, count: int, cursors: Cursors
+) -> list[Job]:
     """XAUTOCLAIM up to `count` entries idle at least `min_idle_ms` (their owner stopped
-    renewing them: dead or frozen) from `cursor` on; returns the next cursor and the jobs."""
-    try:
-        resp = await r.xautoclaim(
-            keys.request_stream, SCHEDULER_GROUP, consumer, min_idle_ms, cursor, count=count
-        )
-    except ResponseError as e:
-        if "NOGROUP" not in str(e):
-            raise
-        await ensure_group(r, keys)
-        return b"0-0", []
-    next_cursor, entries = resp[0], resp[1]
-    jobs = [(entry_id, _decode_job(entry_id, fields)) for entry_id, fields in entries if fields]
-    return next_cursor, jobs
+    renewing them: dead or frozen), highest band first, each band from its cursor on
+    (`cursors` is advanced)."""
+    jobs: list[Job] = []
+    for band in PRIORITY_BANDS:
+        if len(jobs) >= count:
+            break
+        stream, cursor = keys.request_stream_of(band), cursors.get(band, b"0-0")
+        try:
+            resp = await r.xautoclaim(stream, SCHEDULER_GROUP, consumer, min_idle_ms, cursor,
+                                      count=count - len(jobs))  # fmt: skip
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await ensure_group(r, keys)
+            cursors.clear()
+            return jobs
+        cursors[band] = resp[0]
+        jobs += [(ref(band, e), _decode_job(e, fields)) for e, fields in resp[1] if fields]
+    return jobs
 
 
 def _decode_job(entry_id: bytes, fields: dict[bytes, bytes]) -> protocol.GenerateJob | None:
@@ -90,10 +136,11 @@ def _decode_job(entry_id: bytes, fields: dict[bytes, bytes]) -> protocol.Generat
         return None
 
 
-def ack(pipe: aioredis.client.Pipeline, keys: Keys, entry_id: bytes) -> None:
+def ack(pipe: aioredis.client.Pipeline, keys: Keys, entry_ref: bytes) -> None:
     """Queue XACK + XDEL of a finished job on `pipe`."""
-    pipe.xack(keys.request_stream, SCHEDULER_GROUP, entry_id)
-    pipe.xdel(keys.request_stream, entry_id)
+    stream, entry_id = locate(keys, entry_ref)
+    pipe.xack(stream, SCHEDULER_GROUP, entry_id)
+    pipe.xdel(stream, entry_id)
 
 
 def dead_letter(
