@@ -2,12 +2,12 @@
 
 One pub/sub connection carries `ctl` (aborts, re-attaches) and the `tok:{shard}` channels of
 the shards this replica holds a lease on (leases.py); every tick (at most HEARTBEAT_EVERY_S)
-it beats, renews and rebalances the leases and follows them with its subscriptions. For each
-batch it fetches what the core asks for (request states, ranges of `ids:{rid}`), then
-publishes one TextBatch per api replica to `out:{api_id}`, in one pipeline. Redis errors are
-retried with backoff forever: a restarted Redis gets the subscriptions and leases back, and
-what pub/sub lost meanwhile shows as seq gaps that the id log fills. Decoding lives in
-`core.py`; `__main__.py` wires it up.
+it beats (its shards, live states and counts: `figures`), renews and rebalances the leases and
+follows them with its subscriptions. For each batch it fetches what the core asks for (request
+states, ranges of `ids:{rid}`), then publishes one TextBatch per api replica to `out:{api_id}`,
+in one pipeline. Redis errors are retried with backoff forever: a restarted Redis gets the
+subscriptions and leases back, and what pub/sub lost meanwhile shows as seq gaps that the id
+log fills. Decoding lives in `core.py`; `__main__.py` wires it up.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class DetokenizerLoop:
         self._serving: set[int] = set()  # shards whose requests the core's states follow
         self._next_tick = 0.0
         self._stopping = asyncio.Event()
+        self.num_batches = 0  # TokenBatches handled, TextEntries published (its beat says)
+        self.num_entries = 0
 
     @property
     def shards(self) -> list[int]:
@@ -91,11 +93,20 @@ class DetokenizerLoop:
             await self.start()  # subscribes, then ticks
             return
         pipe = self.redis.pipeline(transaction=False)
-        heartbeat.beat(pipe, self.keys, self.worker_id, heartbeat.Beat(), heartbeat.DETOKENIZER)
+        heartbeat.beat(pipe, self.keys, self.worker_id, self.figures(), heartbeat.DETOKENIZER)
         await pipe.execute()
         live = await heartbeat.live_workers(self.redis, self.keys, heartbeat.DETOKENIZER)
         await self._follow(await self.leases.tick(set(live)))
         self._next_tick = time.monotonic() + self.tick_every_s
+
+    def figures(self) -> heartbeat.DetokenizerBeat:
+        """What its beat reports (the fleet views and /metrics read it)."""
+        return heartbeat.DetokenizerBeat(
+            shards=",".join(str(s) for s in self.shards),
+            num_states=len(self.core),
+            num_batches=self.num_batches,
+            num_entries=self.num_entries,
+        )
 
     async def close(self) -> None:
         """Drop the subscription (errors ignored: the connection may already be gone)."""
@@ -177,6 +188,7 @@ class DetokenizerLoop:
         await self.handle_batch(batch)
 
     async def handle_batch(self, batch: protocol.TokenBatch) -> None:
+        self.num_batches += 1
         needs = self.core.needs(batch)
         fetched = await self._fetch(needs) if needs else None
         await self._publish(self.core.add_batch(batch, fetched))
@@ -185,6 +197,7 @@ class DetokenizerLoop:
         """One TextBatch per api replica (chunked), in one pipeline."""
         if not outputs:
             return
+        self.num_entries += sum(len(entries) for entries in outputs.values())
         pipe = self.redis.pipeline(transaction=False)
         for api_id, entries in outputs.items():
             for i in range(0, len(entries), MAX_ENTRIES_PER_MESSAGE):

@@ -29,6 +29,8 @@ def text_entry(
         output_logprobs=_skip_positions(entry.output_logprobs, seq - entry.seq),
         input_logprobs=entry.input_logprobs,
         embedding=entry.embedding,
+        queue_time=entry.queue_time,
+        weight_version=entry.weight_version,
     )
 
 

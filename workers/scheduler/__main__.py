@@ -1,7 +1,9 @@
 """`python -m workers.scheduler` (or `redserve scheduler`): one scheduler worker.
 
 Wires settings → model files → tokenizer (eos ids, stop-string tails) → model runner →
-core → loop, then serves until SIGINT/SIGTERM: it drains, hands the rest over and exits 0.
+core → loop (beating "loading" with a progress text meanwhile: loading.py), then serves until
+SIGINT/SIGTERM: it drains, hands the rest over and exits 0. With --metrics-port it serves its
+own Prometheus metrics (metrics.py) there.
 Redis outages are waited out. An unexpected exception is logged and exits non-zero, so the
 supervisor restarts us; our unacked jobs stay pending for another scheduler to reclaim.
 """
@@ -9,6 +11,7 @@ supervisor restarts us; our unacked jobs stay pending for another scheduler to r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -25,7 +28,10 @@ from shared.model_files import resolve_model
 from shared.redis_conn import connect
 from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.loading import LoadingBeat
 from workers.scheduler.loop import SchedulerLoop
+from workers.scheduler.metrics import serve_metrics
+from workers.scheduler.watchdog import start_watchdog
 
 logger = logging.getLogger("workers.scheduler")
 
@@ -33,8 +39,9 @@ logger = logging.getLogger("workers.scheduler")
 def main(settings: Settings) -> None:
     configure_logging(settings.log_level, "scheduler")
     try:
-        loop = build_loop(settings)
-        asyncio.run(_serve(loop))
+        with _loading_beat(settings):
+            loop = build_loop(settings)
+        asyncio.run(serve(loop))
     except KeyboardInterrupt:  # a Ctrl-C while the model was still loading
         logger.info("interrupted")
     except Exception:
@@ -66,6 +73,7 @@ def build_loop(settings: Settings) -> SchedulerLoop:
         torch_compile_max_bs=sched.torch_compile_max_bs if sched.enable_torch_compile else 0,
         cuda_graph_max_bs=sched.cuda_graph_batches(),
     )
+    runner.cache_dir = settings.cache_dir  # where a reloaded .gguf is converted to
     args = runner.model.args
     max_model_len = min(
         settings.context_length or args.max_position_embeddings, args.max_position_embeddings
@@ -85,9 +93,8 @@ def build_loop(settings: Settings) -> SchedulerLoop:
     logger.info(
         "ready: context %d tokens, eos ids %s", core.max_model_len, sorted(config.eos_token_ids)
     )
-    return SchedulerLoop(
-        connect(settings.redis_url), Keys(settings.key_prefix), settings, core, runner
-    )
+    redis = connect(settings.redis_url)
+    return SchedulerLoop(redis, Keys(settings.key_prefix), settings, core, runner, model_path)
 
 
 def eos_token_ids(tokenizer_eos: int | None, model_path: str) -> frozenset[int]:
@@ -100,13 +107,26 @@ def eos_token_ids(tokenizer_eos: int | None, model_path: str) -> frozenset[int]:
     return frozenset(ids)
 
 
-async def _serve(loop: SchedulerLoop) -> None:
+def _loading_beat(settings: Settings) -> contextlib.AbstractContextManager[object]:
+    """Beats "loading" with a progress text until the loop exists (loading.py)."""
+    if not settings.redis_url:
+        return contextlib.nullcontext()  # build_loop refuses to run anyway
+    keys = Keys(settings.key_prefix)
+    return LoadingBeat(settings.redis_url, keys, settings.scheduler.worker_id)
+
+
+async def serve(loop: SchedulerLoop) -> None:
+    if loop.settings.scheduler.metrics_port:
+        serve_metrics(loop.settings.scheduler.metrics_port, loop.metrics)
     running = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         running.add_signal_handler(sig, loop.stop)
+    watchdog = start_watchdog(loop, loop.settings)
     try:
         await loop.run()
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         await loop.redis.aclose()
     logger.info("stopped")
 

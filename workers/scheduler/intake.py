@@ -76,6 +76,9 @@ def _sequence(job: protocol.GenerateJob, entry_id: bytes, owned: Owned) -> Seque
         detok=detok,
         logprobs=job.logprobs,
         embed=job.embed,
+        priority=job.priority,
+        deadline=job.deadline,
+        created_at=job.created_at,
     )
     if owned.ids and not job.embed:
         seq.resume(owned.ids)

@@ -3,7 +3,8 @@
 Reads GenerateJob entries from the request stream (only as many as there is room for) and
 every `reclaim_every_s` takes over those of dead schedulers; owns each through
 shared.ownership (a new owner epoch) and resumes it from its id log. Listens for
-AbortRequests on the control channel. After every model step it sends ONE Redis transaction:
+AbortRequests on the control channel, and hands the fleet's pause, cache flush and weight
+updates to workers.scheduler.steering. After every model step it sends ONE Redis transaction:
 the fenced step script (a TokenBatch per token shard touched, the id log appends, finished
 requests' state and acks), the abort check of every live request and, when due, the heartbeat
 and the renewal of its pending entries. On stop() it drains: no new jobs, running requests
@@ -23,22 +24,25 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared import heartbeat, ownership, protocol, request_state, request_stream
+from shared import fleet_control, heartbeat, ownership, protocol, request_state, request_stream
 from shared.config import Settings
 from shared.keys import HEARTBEAT_EVERY_S, Keys
 from workers.scheduler.core.scheduler import Scheduler
 from workers.scheduler.core.sequence import Sequence
 from workers.scheduler.intake import Disposition, take
+from workers.scheduler.metrics import SchedulerMetrics
+from workers.scheduler.steering import Steering
 from workers.scheduler.step_writes import current_batches, step_writes
 
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 2.0
 STATS_EVERY_S = 10.0
+
 # Redis replies that mean "not now" (full, loading, restarted without our group), not a bug.
 _TRANSIENT_REPLIES = ("OOM", "LOADING", "NOGROUP", "MISCONF", "READONLY", "MASTERDOWN")
 
-Job = tuple[bytes, protocol.GenerateJob | None]
+Job = request_stream.Job
 
 
 class ModelRunner(Protocol):
@@ -63,10 +67,15 @@ class SchedulerLoop:
         settings: Settings,
         core: Scheduler,
         runner: ModelRunner,
+        model_path: str = "",
     ) -> None:
         self.redis, self.keys, self.settings = redis, keys, settings
         self.core, self.runner = core, runner
         self.worker_id = settings.scheduler.worker_id
+        self.steering = Steering(core, runner, settings, model_path or settings.model)
+        self.control, self.updater = self.steering.control, self.steering.updater
+        self.last_progress = time.monotonic()  # each iteration (the watchdog reads it)
+        self.metrics = SchedulerMetrics(self.worker_id)
         self._pubsub: aioredis.client.PubSub | None = None
         self._abort_rids: set[str] = set()  # applied at the start of the next step
         self._inbox: list[Job] = []  # read or reclaimed, not owned yet
@@ -77,7 +86,7 @@ class SchedulerLoop:
         self._batch_changed = True
         self._last_heartbeat = 0.0
         self._last_reclaim = float("-inf")
-        self._reclaim_cursor = b"0-0"
+        self._reclaim_cursors: request_stream.Cursors = {}
         self._stats = (time.monotonic(), 0)  # since, tokens generated
         self._stopping = False
         self._drain_until: float | None = None
@@ -105,10 +114,11 @@ class SchedulerLoop:
                     await asyncio.sleep(min(MAX_BACKOFF_S, 0.1 + (now - failing_since) / 4))
                     continue
                 failing_since = None
-                if burst and not did_work and self.is_drained:
+                if burst and not did_work and self.is_drained and not self.updater.update:
                     return
             await self._hand_over()
         finally:
+            self.updater.cancel()
             await self._drop_pubsub()
 
     def _drained_for_stop(self) -> bool:
@@ -145,27 +155,53 @@ class SchedulerLoop:
     async def run_once(self) -> bool:
         """One iteration: aborts, new jobs, one model step, one Redis transaction.
         Returns whether it did anything."""
+        self.last_progress = time.monotonic()
         if self._pubsub is None:
             await self._start()
         self._abort_rids |= await self._drain_control()
         self._apply_aborts()
-        num_taken = await self._take_jobs()
+        self._expire()
+        steer = self.steering
+        if steer.apply(self._stopping, self._outbox):
+            self._batch_changed = True
+        num_taken = await self._take_jobs() if steer.may_take_jobs else 0
+        seqs = self._step() if steer.may_step else []
+        published = await self._flush()
+        switched = steer.advance(flushed=not self._outbox)
+        self._batch_changed |= switched
+        did_work = bool(num_taken or seqs or published or switched)
+        if not did_work and not steer.may_step:
+            await steer.idle(self.settings.scheduler.idle_block_ms / 1000)
+        return did_work
+
+    def _step(self) -> list[Sequence]:
+        """One model step over what the core schedules; returns the scheduled sequences."""
         seqs = self.core.schedule()
         if seqs:
+            now = time.time()
+            for seq in seqs:
+                if seq.queue_time is None and seq.created_at:
+                    seq.queue_time = max(0.0, now - seq.created_at)
             samplers = [seq for seq in seqs if seq.will_sample]  # a partial chunk has no news
+            started = time.perf_counter()
             token_ids = self.runner.run(seqs)
+            self.metrics.observe_step(time.perf_counter() - started, len(seqs), len(samplers))
             if self.core.postprocess(seqs, token_ids):
                 self._batch_changed = True
             self._outbox.update((seq.rid, seq) for seq in samplers)
             self._log_stats(len(samplers))
-        published = await self._flush()
-        return bool(num_taken or seqs or published)
+        return seqs
+
 
     async def _start(self) -> None:
         await request_stream.ensure_group(self.redis, self.keys)
         pubsub = self.redis.pubsub()
         await pubsub.subscribe(self.keys.control_channel)
         self._pubsub = pubsub
+        # Subscribed first: a change after this read is heard as a broadcast.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            fleet_control.read(pipe, self.keys)
+            self.control.sync(fleet_control.decode(*await pipe.execute()))
         logger.info("worker %s serving %s", self.worker_id, self.keys.request_stream)
 
     async def _drop_pubsub(self) -> None:
@@ -191,6 +227,8 @@ class SchedulerLoop:
                 continue
             if isinstance(ctl, protocol.AbortRequests):
                 rids.update(ctl.rids)
+            else:
+                self.control.on_message(ctl)
         return rids
 
     def _apply_aborts(self) -> None:
@@ -201,6 +239,12 @@ class SchedulerLoop:
             self._outbox[seq.rid] = seq
             self._batch_changed = True
         self._abort_rids.clear()
+
+    def _expire(self) -> None:
+        """End the requests past their deadline (also while paused)."""
+        for seq in self.core.expire():
+            self._outbox[seq.rid] = seq
+            self._batch_changed = True
 
     # -- new jobs --------------------------------------------------------------------------
     async def _take_jobs(self) -> int:
@@ -231,8 +275,8 @@ class SchedulerLoop:
             return []
         self._last_reclaim = now
         min_idle_ms = int(sched.reclaim_min_idle_s * 1000)
-        self._reclaim_cursor, jobs = await request_stream.reclaim(
-            self.redis, self.keys, self.worker_id, min_idle_ms, count, self._reclaim_cursor
+        jobs = await request_stream.reclaim(
+            self.redis, self.keys, self.worker_id, min_idle_ms, count, self._reclaim_cursors
         )
         if jobs:
             logger.info("reclaimed %d jobs of dead schedulers", len(jobs))
@@ -291,8 +335,9 @@ class SchedulerLoop:
         if not (sends or live_rids or heartbeat_due):
             return False
         outbox = list(self._outbox.values())
+        version = self.control.loaded.weight_version
         steps, batches = step_writes(
-            outbox, self.worker_id, self.keys, self.settings.num_token_shards
+            outbox, self.worker_id, self.keys, self.settings.num_token_shards, version
         )
         pipe = self.redis.pipeline(transaction=True)
         for entry_id in self._to_ack:
@@ -300,21 +345,23 @@ class SchedulerLoop:
         step_at = len(pipe)
         if steps:
             ownership.publish_step(pipe, self.keys, steps, batches)
-        renew_at = -1
+        renew_at = control_at = -1
+        renewed: list[list[bytes]] = []
         if heartbeat_due:
             self._queue_heartbeat(pipe)
             renew_at = len(pipe)
-            if not ownership.renew(pipe, self.keys, self.worker_id, self._owned_entry_ids()):
-                renew_at = -1
+            renewed = ownership.renew(pipe, self.keys, self.worker_id, self._owned_entry_ids())
+            control_at = self.steering.queue(pipe, self.keys, self.worker_id)
         first_query = len(pipe)
         request_state.query_aborted(pipe, self.keys, live_rids)
         results = await pipe.execute()
         stale, unsent = ownership.step_result(results[step_at]) if steps else (set(), [])
-        lost = {bytes(e) for e in results[renew_at]} if renew_at >= 0 else set()
+        lost = ownership.lost_entries(renewed, results[renew_at : renew_at + len(renewed)])
         await self._publish(current_batches(self.worker_id, steps, batches, unsent, stale))
         self._committed(outbox, stale, lost)
         if heartbeat_due:
             self._last_heartbeat, self._batch_changed = now, False
+            self.steering.took(results[control_at:first_query])
         hits = results[first_query:]
         self._abort_rids.update(rid for rid, hit in zip(live_rids, hits, strict=True) if hit)
         return sends
@@ -327,12 +374,16 @@ class SchedulerLoop:
             await pipe.execute()
 
     def _queue_heartbeat(self, pipe: aioredis.client.Pipeline) -> None:
-        bm = self.core.block_manager
+        bm, loaded = self.core.block_manager, self.control.loaded
         beat = heartbeat.SchedulerBeat(
             num_running=len(self.core.running),
             num_waiting=len(self.core.waiting),
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_total_blocks,
+            state=self.steering.state(self._stopping),
+            model_path=loaded.model_path,
+            weight_version=loaded.weight_version,
+            gen_throughput=self.metrics.gen_throughput(),
         )
         heartbeat.beat(pipe, self.keys, self.worker_id, beat)
 

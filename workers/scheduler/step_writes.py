@@ -16,18 +16,22 @@ Batch = tuple[str, bytes, list[int]]  # channel, encoded TokenBatch, indices of 
 
 
 def step_writes(
-    seqs: Iterable[Sequence], worker_id: str, keys: Keys, num_shards: int
+    seqs: Iterable[Sequence],
+    worker_id: str,
+    keys: Keys,
+    num_shards: int,
+    weight_version: str | None = None,
 ) -> tuple[list[StepEntry], list[Batch]]:
-    """The entries of `seqs` (their unpublished news, and the finish of finished ones) and
-    the batches that carry them."""
+    """The entries of `seqs` (their unpublished news, and the finish of finished ones,
+    stamped with `weight_version`) and the batches that carry them."""
     steps: list[StepEntry] = []
     members: dict[int, list[int]] = defaultdict(list)
     now = time.time()
     for seq in seqs:
         members[shard_of(seq.rid, num_shards)].append(len(steps))
         finished_at = now if seq.is_finished else 0.0
-        steps.append(StepEntry(token_entry(seq), seq.entry_id, seq.num_completion_tokens,
-                               finished_at))  # fmt: skip
+        entry = token_entry(seq, weight_version)
+        steps.append(StepEntry(entry, seq.entry_id, seq.num_completion_tokens, finished_at))
     batches = [
         (keys.token_channel(shard), _batch(worker_id, [steps[i] for i in idx]), idx)
         for shard, idx in members.items()
@@ -54,7 +58,7 @@ def _batch(worker_id: str, steps: list[StepEntry]) -> bytes:
     return protocol.encode(protocol.TokenBatch(worker_id=worker_id, entries=entries))
 
 
-def token_entry(seq: Sequence) -> protocol.TokenEntry:
+def token_entry(seq: Sequence, weight_version: str | None = None) -> protocol.TokenEntry:
     """What `seq` has not published yet, as one wire entry: its new ids from `seq`
     num_published on, their logprobs, and with this owner's first entry its detokenizer
     params (and with the request's first, its prompt logprobs); with the last, its finish
@@ -75,4 +79,6 @@ def token_entry(seq: Sequence) -> protocol.TokenEntry:
         output_logprobs=lp.output_slice(first, first + len(new_ids)) if lp else None,
         input_logprobs=lp.input if lp and first_out else None,
         embedding=seq.embedding if seq.is_finished else None,
+        queue_time=seq.queue_time if first == seq.num_resumed else None,
+        weight_version=weight_version if seq.is_finished else None,
     )

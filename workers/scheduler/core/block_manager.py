@@ -115,6 +115,15 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (after new weights, or on /flush_cache); blocks in use
+        stay with their sequences, unshared. Returns how many blocks were cached."""
+        num_cached = len(self.cached)
+        for block_id in self.cached.values():
+            self.blocks[block_id].hash = None
+        self.cached.clear()
+        return num_cached
+
     # -- internals ---------------------------------------------------------------------------
     def _hash_full_blocks(self, seq: Sequence) -> None:
         bs, hashes = self.block_size, seq.block_hashes

@@ -5,23 +5,30 @@ Pure Python (no torch, no redis), driven by plain calls from the loop:
 Continuous batching: new sequences join and finished ones leave between any two steps.
 
 One step mixes prefill and decode under one token budget (`max_num_batched_tokens`, as in
-vLLM v1): running sequences first, in arrival order, each with its next token or the next
-chunk of its prompt, then waiting sequences while budget, `max_num_seqs` and KV blocks last.
+vLLM v1): running sequences first, each with its next token or the next chunk of its prompt,
+then waiting sequences while budget, `max_num_seqs` and KV blocks last. Both queues are in
+priority order (SGLang's `priority`: higher first), then arrival order.
 A long prompt is thus prefilled in chunks between decode steps, and a running stream waits
 at most one step of at most `max_num_batched_tokens` tokens for its next token. A sequence
 samples only in the step that reaches its last token. A new sequence skips the part of its
-prompt found in the prefix cache (block_manager.py). When the blocks run out, the newest
-running sequences are preempted: they give their blocks back (which stay cached) and are
-recomputed from their tokens later, and no waiting sequence starts in that step.
+prompt found in the prefix cache (block_manager.py). When the blocks run out, the last
+running sequences (the lowest priority, the newest among equals) are preempted: they give
+their blocks back (which stay cached) and are recomputed from their tokens later, and no
+waiting sequence starts in that step. A sequence past its deadline ends with a 504 abort:
+when it is added (a job that waited too long in the stream) or at the next `expire`.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from shared import deadlines
 from shared.protocol import FinishReason
 from workers.scheduler.core.block_manager import BlockManager
 from workers.scheduler.core.sequence import Sequence, SequenceStatus
@@ -50,11 +57,24 @@ def _bad_request(message: str) -> FinishReason:
     return FinishReason(type="abort", message=message, status_code=400)
 
 
+def _order(seq: Sequence) -> tuple[int, int]:
+    """Where a sequence goes in a queue: higher priority first, then earlier arrival."""
+    return -seq.priority, seq.arrival
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, decode_tail: DecodeTail) -> None:
-        """`decode_tail(ids)` turns a few output ids into text for the stop-string check."""
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        decode_tail: DecodeTail,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`decode_tail(ids)` turns a few output ids into text for the stop-string check;
+        `clock()` is the unix time that deadlines are compared with."""
         self.config = config
         self.decode_tail = decode_tail
+        self.clock = clock
+        self._arrivals = itertools.count(1)
         assert config.max_num_batched_tokens > 0
         self.block_manager = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
@@ -67,11 +87,17 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> FinishReason | None:
         """Queue `seq`, or return why it ends right away (a bad request, or nothing to do)."""
-        reason = self._check(seq)
+        reason = self._check(seq) or self._late(seq)
         if reason is not None:
             seq.status, seq.finish = SequenceStatus.FINISHED, reason
             return reason
-        self.waiting.append(seq)
+        seq.arrival = next(self._arrivals)
+        _enqueue(self.waiting, seq)
+        return None
+
+    def _late(self, seq: Sequence) -> FinishReason | None:
+        if deadlines.is_past(seq.deadline, self.clock()):
+            return deadlines.exceeded(seq.deadline - seq.created_at)
         return None
 
     def _check(self, seq: Sequence) -> FinishReason | None:
@@ -129,7 +155,7 @@ class Scheduler:
 
     def _schedule_running(self, budget: int) -> list[Sequence]:
         """A decode token or the next prompt chunk of each running sequence, in order, while
-        the budget lasts; preempts the newest ones when the blocks run out."""
+        the budget lasts; preempts the last ones when the blocks run out."""
         scheduled: list[Sequence] = []
         while len(scheduled) < len(self.running) and budget > 0:
             seq = self.running[len(scheduled)]
@@ -143,8 +169,8 @@ class Scheduler:
         return scheduled
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt the newest running sequences until `seq` can hold `num_tokens` tokens;
-        False if `seq` itself had to go."""
+        """Preempt the last running sequences (the lowest priority, newest among equals)
+        until `seq` can hold `num_tokens` tokens; False if `seq` itself had to go."""
         while not self.block_manager.can_allocate(seq, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
@@ -170,16 +196,16 @@ class Scheduler:
             seq.num_new_tokens = num_new
             budget -= num_new
             seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
+            _enqueue(self.running, self.waiting.popleft())
             scheduled.append(seq)
         return scheduled
 
-    def _preempt(self, seq: Sequence) -> None:
-        logger.info("rid=%s preempted (KV cache full) at %d tokens", seq.rid, len(seq))
+    def _preempt(self, seq: Sequence, why: str = "preempted (KV cache full)") -> None:
+        logger.info("rid=%s %s at %d tokens", seq.rid, why, len(seq))
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
+        _enqueue(self.waiting, seq)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Mark each sequence's new tokens computed (caching its newly full blocks), then
@@ -232,18 +258,47 @@ class Scheduler:
         return next((s for s in seq.sampling.stop if s and s in tail), None)
 
     # -- leaving ---------------------------------------------------------------------------
-    def abort(self, rids: Iterable[str]) -> list[Sequence]:
+    def abort(self, rids: Iterable[str], reason: FinishReason = ABORTED) -> list[Sequence]:
         """Drop the sequences of `rids` that are here and free their blocks now."""
         wanted = set(rids)
         aborted = [seq for seq in self.unfinished if seq.rid in wanted]
         for seq in aborted:
-            queue = self.waiting if seq.status == SequenceStatus.WAITING else self.running
-            queue.remove(seq)
-            self.block_manager.deallocate(seq)
-            seq.status, seq.finish = SequenceStatus.FINISHED, ABORTED
+            self._drop(seq, reason)
         return aborted
+
+    def expire(self) -> list[Sequence]:
+        """End the sequences (waiting or running) past their deadline and free their blocks
+        now; their finish (a 504 abort) is for the caller to publish."""
+        now = self.clock()
+        late = [seq for seq in self.unfinished if deadlines.is_past(seq.deadline, now)]
+        for seq in late:
+            logger.info("rid=%s past its deadline after %d tokens", seq.rid,
+                        seq.num_completion_tokens)  # fmt: skip
+            self._drop(seq, deadlines.exceeded(seq.deadline - seq.created_at))
+        return late
+
+    def _drop(self, seq: Sequence, reason: FinishReason) -> None:
+        queue = self.waiting if seq.status == SequenceStatus.WAITING else self.running
+        queue.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status, seq.finish = SequenceStatus.FINISHED, reason
+
+    def retract_all(self) -> int:
+        """Return every running sequence to the front of the waiting queue, its blocks freed
+        (cached blocks stay reusable): it is recomputed from its tokens when it runs again.
+        Returns how many were running."""
+        retracted = list(self.running)
+        for seq in reversed(retracted):
+            self.running.remove(seq)
+            self._preempt(seq, "retracted")
+        return len(retracted)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status, seq.finish = SequenceStatus.FINISHED, reason
         self.block_manager.deallocate(seq)
         self.running.remove(seq)
+
+
+def _enqueue(queue: deque[Sequence], seq: Sequence) -> None:
+    """Put `seq` behind every sequence of `queue` that goes before it (_order)."""
+    queue.insert(bisect.bisect_right(queue, _order(seq), key=_order), seq)

@@ -29,6 +29,9 @@ class Sequence:
         detok: DetokParams | None = None,
         logprobs: LogprobRequest | None = None,
         embed: bool = False,
+        priority: int = 0,
+        deadline: float = 0.0,
+        created_at: float = 0.0,
     ) -> None:
         self.rid = rid
         self.status = SequenceStatus.WAITING
@@ -57,6 +60,12 @@ class Sequence:
         self.logprobs = LogprobState(logprobs, len(prompt_ids)) if logprobs else None
         self.embed = embed  # an embedding job: one prefill, no output tokens
         self.embedding: list[float] | None = None
+        self.priority = priority  # higher starts first
+        self.arrival = 0  # set by the core: the order among sequences of equal priority
+        self.deadline = deadline  # unix time; 0 = none
+        self.created_at = created_at  # unix time the api submitted it
+        # Seconds from submission to this owner's first step (sent with the first entry).
+        self.queue_time: float | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -33,6 +33,7 @@ from workers.scheduler.engine.outputs import (
     step_spans,
     wants_prompt_outputs,
 )
+from workers.scheduler.engine.reload import reload_runner
 from workers.scheduler.engine.sampler import process_logits, sample
 from workers.scheduler.layers.attention_tuning import (
     PREFILL_TOKENS,
@@ -98,6 +99,11 @@ class TorchModelRunner:
         ]
         self.compiled: CompiledDecode | None = None
         self.graphs: GraphedDecode | None = None
+        # What `reload` prepares new weights like: the load's quantization, and where
+        # converted GGUF checkpoints are cached (settings.cache_dir; "" = the default).
+        self.quantization = "none"
+        self.cache_dir = ""
+        self.model_path = ""  # the checkpoint loaded last, as given
 
     @classmethod
     def load(
@@ -134,6 +140,7 @@ class TorchModelRunner:
             num_kv_blocks, kv_memory_fraction, available, bytes_per_block
         )
         runner = cls(model, num_kv_blocks, block_size, kv_dtype)
+        runner.model_path = model_path
         runner.choose_kernels(quantization, torch_compile_max_bs, cuda_graph_max_bs)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s on %s; model in %s)",
@@ -153,7 +160,8 @@ class TorchModelRunner:
         anyway) the attention kernels on this machine, then compiles decode steps of up to
         `torch_compile_max_bs` sequences (compiled.py) and, on CUDA, records CUDA graphs of
         up to `cuda_graph_max_bs` (cuda_graphs.py); 0 = none."""
-        model = self.model
+        model, self.quantization = self.model, quantization
+        logger.info("choosing kernels: timing them here, compiling or recording decode steps")
         if routes := tune_routes(model):
             logger.info("kernel by step size (tokens %s), as timed here: %s", TUNED_TOKENS, routes)
         # fp32 without quantization (and its own cache) is the exact reference: SDPA,
@@ -170,6 +178,15 @@ class TorchModelRunner:
         if cuda_graph_max_bs and self.device.type == "cuda":
             self.graphs = self.graphed_decode(cuda_graph_max_bs)
             self.graphs.capture_all(cuda_capture())
+
+    def reload(self, model_path: str) -> None:
+        """Serve the checkpoint at `model_path` (same architecture and shapes) instead of
+        the loaded one, prepared as `load` prepared it; the KV cache stays allocated (its
+        contents are stale: flush the prefix cache). Call it with nothing running (it may
+        run in a worker thread). Raises, keeping the old weights, for a checkpoint that is
+        missing or of another shape (ReloadError) or incomplete (the loader's error). See
+        reload.py."""
+        reload_runner(self, model_path, prepare_model)
 
     def use_attention(self, choice: AttentionChoice) -> None:
         """The attention kernels `choose_attention` timed fastest on this CPU."""
