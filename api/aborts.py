@@ -56,6 +56,7 @@ class Aborts:
             state = self.tm.rid_to_state.pop(rid, None)
             if state is not None and not state.finished:
                 state.finish(reason)
+                self.tm.metrics.finished(state)
 
     async def abort_and_finish(
         self, rids: list[str], message: str, status: int | None = None, attempts: int = _ATTEMPTS

@@ -6,6 +6,7 @@ code}}` on /v1 routes. Pydantic's 422 becomes 400 and the rejected input is neve
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,15 +54,33 @@ class NotFound(ApiError):
     status_code = 404
 
 
-class ServiceUnavailable(ApiError):
-    """Redis is unreachable or full, or the replica is starting or draining: retry soon
-    (on this replica or another)."""
+class _RetryLater(ApiError):
+    """An error that tells the client when to try again (`Retry-After`, whole seconds >= 1)."""
 
-    status_code = 503
+    def __init__(self, message: str, *, retry_after: float = 1, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.retry_after = max(1, math.ceil(retry_after))
 
     @property
     def headers(self) -> dict[str, str] | None:
-        return {"Retry-After": "1"}
+        return {"Retry-After": str(self.retry_after)}
+
+
+class ServiceUnavailable(_RetryLater):
+    """Redis is unreachable or full, the replica is starting or draining, or the fleet's
+    queue is full: retry soon (on this replica or another)."""
+
+    status_code = 503
+
+
+class TooManyRequests(_RetryLater):
+    """An API key went over its rate limit or its cap on requests in flight."""
+
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after: float = 1, **kwargs: Any) -> None:
+        kwargs.setdefault("code", "rate_limit_exceeded")
+        super().__init__(message, retry_after=retry_after, **kwargs)
 
 
 class ClientDisconnected(ApiError):
@@ -84,6 +103,8 @@ def _openai_type(status_code: int) -> str:
         return "server_error"
     if status_code == 404:
         return "not_found_error"
+    if status_code == 429:
+        return "requests"  # OpenAI's type for a request rate limit
     return "invalid_request_error"
 
 

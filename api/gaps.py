@@ -122,6 +122,7 @@ class GapFiller:
             rid=state.rid, epoch=state.epoch, seq=start, text=delta, token_ids=ids[start:end],
             prompt_tokens=state.prompt_tokens, completion_tokens=max(end, done), finish=finish,
             cached_tokens=state.cached_tokens,
+            weight_version=info.weight_version if finish is not None and info else None,
         )  # fmt: skip
 
     async def _decode(self, state: ReqState, ids: list[int], start: int, end: int) -> str:

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
+from api.metrics import ApiMetrics
 from api.req_state import ReqState
 from api.tokenization import TextTokenizer
 from shared import protocol
@@ -23,6 +24,7 @@ class Core(Protocol):
     api_id: str
     rid_to_state: dict[str, ReqState]
     tok: TextTokenizer
+    metrics: ApiMetrics
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> bool:
         """Run `coro` in the background (awaited on close); False when there is no loop."""

@@ -147,6 +147,8 @@ def _native_req(
         no_stop_trim=_default(p.no_stop_trim, False),
         logprobs=logprobs,
         return_text_in_logprobs=body.return_text_in_logprobs,
+        priority=body.priority or 0,
+        timeout=body.timeout,
     )
 
 
@@ -213,6 +215,8 @@ def _openai_req(
         no_stop_trim=_default(body.no_stop_trim, False),
         logprobs=logprobs,
         openai=True,
+        priority=body.priority or 0,
+        timeout=body.timeout,
     )
 
 

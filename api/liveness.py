@@ -3,6 +3,7 @@
 - heartbeat (kind API) every HEARTBEAT_EVERY_S, with a TTL refresh of its held-rid set; the
   beat is deleted on a clean stop so the others see the replica gone at once;
 - the orphan reaper (api.orphans) every ORPHAN_SCAN_S;
+- the soft watchdog (api.soft_watchdog): requests with no output for a while are logged;
 - Redis outages: when Redis (the beat, or the result subscription) has been unreachable for
   REDIS_OUTAGE_S, every request in flight here ends with a 503 rather than hang; when it is
   back, the live requests ask for a resend of what they missed, and aborts that could not
@@ -21,6 +22,7 @@ from api.host import Core
 from api.orphans import ORPHAN_SCAN_S, OrphanReaper
 from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, is_oom
 from api.result_listener import ResultListener
+from api.soft_watchdog import SoftWatchdog
 from shared import heartbeat, reattach
 from shared.keys import HEARTBEAT_EVERY_S
 
@@ -39,6 +41,7 @@ class Maintenance:
     def __init__(self, tm: Host) -> None:
         self.tm = tm
         self.reaper = OrphanReaper(tm)
+        self.soft_watchdog = SoftWatchdog(tm)
         self.failing_since = 0.0  # monotonic time of the first failed beat (0 = beating)
         self._next_beat = 0.0
         self._next_scan = 0.0
@@ -92,6 +95,7 @@ class Maintenance:
         if now >= self._next_scan:
             self._next_scan = now + ORPHAN_SCAN_S
             await self.reaper.scan()
+        await self.soft_watchdog.tick()
 
     async def _beat(self) -> None:
         tm = self.tm

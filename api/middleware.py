@@ -1,11 +1,12 @@
 """The edge of the api, before any route runs (pure ASGI, no body buffering):
 
-1. API keys: with keys configured, every route but /health needs `Authorization: Bearer <key>`;
+1. API keys: with keys configured, every route but OPEN_PATHS needs `Authorization: Bearer <key>`;
    keys are compared as SHA-256 digests with hmac.compare_digest, against every key, so neither
    the time nor the text of the 401 tells a missing key from a wrong one.
 2. Content type: bodies are JSON. `curl -d` sends application/x-www-form-urlencoded, and some
    clients send text/plain or nothing: such bodies are read as JSON (and fail as invalid JSON
    when they are not). Any other non-JSON type (multipart, XML, ...) is a 415.
+   The key's digest names the request's client for the per-key limits (api.admission.CLIENT).
 3. Body size: above `max_body_bytes` a 413, from Content-Length before reading anything, else
    as soon as the streamed body passes the limit (before it is parsed)."""
 
@@ -18,11 +19,14 @@ import logging
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.admission import CLIENT
 from api.errors import BodyError, error_body
+from shared.limits import ANONYMOUS, client_id
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})
+# Probes and scrapes need no key (as in SGLang: /health*, /metrics).
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/live", "/metrics"})
 _LENIENT_TYPES = frozenset({"", "application/x-www-form-urlencoded", "text/plain"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _AUTH_MESSAGE = "Missing or invalid API key. Send it as 'Authorization: Bearer <key>'."
@@ -51,24 +55,28 @@ class EdgeGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self._digests and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            logger.info("401 %s %s: missing or invalid API key", scope["method"], scope["path"])
-            await _reply(scope, receive, send, 401, _AUTH_MESSAGE, code="invalid_api_key",
-                         headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-            return
+        client = ANONYMOUS
+        if self._digests and scope["path"] not in OPEN_PATHS:
+            if not self._authorized(scope):
+                logger.info("401 %s %s: missing or invalid API key", scope["method"],
+                            scope["path"])  # fmt: skip
+                await _reply(scope, receive, send, 401, _AUTH_MESSAGE, code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                return
+            client = client_id(_bearer(scope))
         if scope["method"] in _BODY_METHODS:
             scope = await self._check_body(scope, receive, send)
             if not scope:
                 return
             receive = self._limited(receive)
-        await self.app(scope, receive, send)
+        token = CLIENT.set(client)  # reset after: an in-process ASGI client shares its task
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CLIENT.reset(token)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            token = b""
-        digest = _digest(token.strip())
+        digest = _digest(_bearer(scope))
         ok = False
         for known in self._digests:  # no early exit: every key costs the same
             ok |= hmac.compare_digest(known, digest)
@@ -109,6 +117,13 @@ class EdgeGuard:
             return message
 
         return limited_receive
+
+
+def _bearer(scope: Scope) -> bytes:
+    """The token of the request's `Authorization: Bearer <token>` header (b"" if none)."""
+    header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+    scheme, _, token = header.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
 
 
 async def _reply(

@@ -42,6 +42,8 @@ class GenerateReq:
     return_text_in_logprobs: bool = False
     embed: bool = False
     openai: bool = False  # errors in OpenAI's words (context length)
+    priority: int = 0  # SGLang's: schedulers start higher values first
+    timeout: float | None = None  # seconds from submission; past it the request ends (504)
     # Set by tokenization.
     input_ids: list[int] = field(default_factory=list, repr=False)
     token_type_ids: list[int] | None = field(default=None, repr=False)
@@ -66,6 +68,7 @@ class ReqState:
     finished: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_time: float = 0.0
+    last_token_time: float = 0.0  # when tokens last arrived (api.metrics: inter-token latency)
     finished_time: float = 0.0
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -77,6 +80,7 @@ class ReqState:
     cached_tokens: int = 0
     logprobs: LogprobLog | None = None
     embedding: list[float] | None = None
+    weight_version: str | None = None  # the weights that produced it (its finish entry's)
     num_outputs: int = 0
     # Streaming responses: the rid of the response's event log and the attachment that
     # appends to it (None: not streaming). `superseded`: another attachment took the request
@@ -134,6 +138,7 @@ class ReqState:
     def _take(self, entry: protocol.TextEntry) -> bool:
         """Apply an entry (one that starts before next_seq is a duplicate; after it, one
         whose gap was given up on)."""
+        self.weight_version = entry.weight_version or self.weight_version
         if entry.seq < self.next_seq:
             logger.debug("duplicate rid=%s seq=%d<%d", entry.rid, entry.seq, self.next_seq)
             if entry.finish is not None:
@@ -189,6 +194,7 @@ class ReqState:
             e2e_latency=finish_time - self.created_time,
             logprobs=self.logprobs,
             embedding=self.embedding,
+            weight_version=self.weight_version,
         )
 
 
@@ -210,6 +216,7 @@ class ReqOutput:
     e2e_latency: float
     logprobs: LogprobLog | None = field(default=None, repr=False)
     embedding: list[float] | None = field(default=None, repr=False)
+    weight_version: str | None = None
 
     @property
     def rid(self) -> str:
@@ -236,7 +243,8 @@ class ReqOutput:
         return None
 
     def meta_info(self) -> dict[str, Any]:
-        return {
+        """SGLang's meta_info; `weight_version` once known (the finish entry brings it)."""
+        meta = {
             "id": self.rid,
             "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
             "prompt_tokens": self.prompt_tokens,
@@ -244,6 +252,9 @@ class ReqOutput:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": round(self.e2e_latency, 6),
         }
+        if self.weight_version is not None:
+            meta["weight_version"] = self.weight_version
+        return meta
 
     def to_dict(self, incremental: bool = False) -> dict[str, Any]:
         """SGLang's /generate output: {text, output_ids, meta_info}; with `incremental`, the

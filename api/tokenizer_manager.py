@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any, cast
 import redis.asyncio as aioredis
 
 from api.aborts import Aborts
+from api.admission import Admission
 from api.claims import RidClaims
 from api.errors import BadRequest, ServiceUnavailable
 from api.event_log import EventLog
 from api.gaps import GapFiller
 from api.handover import Handover
 from api.liveness import Maintenance
+from api.metrics import ApiMetrics
 from api.model import ModelInfo
 from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, unavailable
 from api.req_state import GenerateReq, ReqOutput, ReqState, TextPair
@@ -33,6 +35,7 @@ from api.stream_spec import StreamSetup
 from api.tokenization import TextTokenizer
 from api.validation import build_job, check_chars
 from api.waiting import Disconnectable, wait_batch, wait_one
+from api.weights import WeightUpdates
 from shared import protocol, reattach, request_state, request_stream
 from shared.config import Settings
 from shared.keys import Keys
@@ -54,6 +57,7 @@ class TokenizerManager:
         self.keys = Keys(settings.key_prefix)
         self.api_id = settings.api.api_id
         self.rid_to_state: dict[str, ReqState] = {}
+        self.metrics = ApiMetrics(model.served_model_name)
         self.listener = ResultListener(
             redis,
             self.keys.output_channel(self.api_id),
@@ -62,13 +66,16 @@ class TokenizerManager:
             on_resubscribe=self.resync,
         )
         self.handover = Handover(self)
+        self.weights = WeightUpdates(self)  # weight updates, and the gate requests pass
         self._handlers: dict[type, Callable[[Any], None]] = {
             protocol.TextBatch: self._handle_batch_output,
             protocol.Reattach: self.handover.on_notice,
+            protocol.UpdateWeights: self.weights.on_broadcast,
             protocol.AbortRequests: lambda msg: None,  # the engine's finish entry says it
         }
         self._tasks: set[asyncio.Task[None]] = set()
         self.claims = RidClaims(redis, self.keys, self.api_id, self.spawn)
+        self.admission = Admission(settings.api, redis, self.keys, self.spawn)
         self.aborts = Aborts(self)
         self.gaps = GapFiller(self)
         self.maintenance = Maintenance(self)
@@ -85,12 +92,14 @@ class TokenizerManager:
     async def start(self) -> None:
         await self.listener.start()
         self.maintenance.start()
+        self.admission.start()
 
     async def close(self) -> None:
         """Hand streams to the fleet, abort the rest (best effort), stop beating, listening."""
         self.draining = True
         await self.shed()
         await self.maintenance.stop()
+        await self.admission.stop()
         await self.listener.stop()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=3 * REDIS_TIMEOUT_S)
@@ -145,8 +154,12 @@ class TokenizerManager:
         `stream`: a streaming response's spec and attachment, written with the requests."""
         if self.draining:
             raise ServiceUnavailable(SHUTTING_DOWN)
-        outputs = self._generate(list(reqs), request, stream)
-        await anext(outputs)  # runs up to the submission, so errors surface here
+        # 503 (fleet queue full) or 429 (the API key's limits) before any work; the ticket
+        # is given back when the outputs end.
+        ticket = await self.admission.admit(len(reqs))
+        outputs = self.admission.guard(ticket, self._generate(list(reqs), request, stream))
+        async with self.weights.reading():  # an update (mode all) waits for those inside
+            await anext(outputs)  # runs up to the submission, so errors surface here
         return cast(AsyncGenerator[ReqOutput, None], outputs)
 
     async def _generate(
@@ -350,8 +363,9 @@ class TokenizerManager:
         asks the engine for a resend (api.gaps)."""
         now = time.time()
         state.last_time = time.monotonic()
-        had = state.next_seq
+        had, had_epoch = state.next_seq, state.epoch
         news = state.accept(entry)
+        self.metrics.on_entry(state, entry, had, had_epoch, now)
         if state.held:
             self.gaps.on_gap(state)
         elif news and state.resend_at and state.next_seq > had:
@@ -365,6 +379,7 @@ class TokenizerManager:
             return
         self.forget(state)
         state.finish(state.finish_seen)
+        self.metrics.finished(state)
         logger.info(
             "finished rid=%s reason=%s completion_tokens=%d e2e=%.3fs",
             entry.rid, state.finish_seen.type, state.completion_tokens, now - state.created_time,

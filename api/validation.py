@@ -11,7 +11,7 @@ import msgspec
 from api.errors import BadRequest
 from api.model import ModelInfo
 from api.req_state import GenerateReq
-from shared import protocol
+from shared import deadlines, protocol
 
 # Cheap length check before tokenizing: no real token covers this many characters on average.
 MAX_CHARS_PER_TOKEN = 32
@@ -125,12 +125,15 @@ def build_job(
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         no_stop_trim=req.no_stop_trim,
     )
+    created_at = time.time()
     return protocol.GenerateJob(
         rid=req.rid,
         input_ids=ids,
         sampling=sampling,
         detok=detok,
-        created_at=time.time(),
+        created_at=created_at,
         logprobs=req.logprobs,
         embed=req.embed,
+        priority=req.priority,
+        deadline=deadlines.deadline_of(created_at, req.timeout),
     )

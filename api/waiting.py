@@ -18,6 +18,7 @@ from api.gaps import GapFiller
 from api.host import Core
 from api.logprobs import needed_token_ids
 from api.req_state import ReqOutput, ReqState, Superseded
+from shared import deadlines
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,19 @@ async def check_alive(
         logger.warning("no output for %.0fs rid=%s: aborting", idle, state.rid)
         message = f"No output for {idle:.0f} s; the request timed out."
         await tm.aborts.abort_and_finish([state.rid], message, 504)
+    elif past_deadline(state):
+        logger.warning("rid=%s past its timeout of %gs: aborting", state.rid, state.obj.timeout)
+        message = deadlines.message(state.obj.timeout or 0.0)
+        await tm.aborts.abort_and_finish([state.rid], message, deadlines.DEADLINE_STATUS)
+
+
+def past_deadline(state: ReqState) -> bool:
+    """Whether the request's `timeout` passed (plus a grace in which the scheduler's own end
+    of it, with the output so far, is expected to arrive first)."""
+    timeout = state.obj.timeout
+    if not timeout or state.finished:
+        return False
+    return time.time() >= state.created_time + timeout + deadlines.API_GRACE_S
 
 
 async def wait_batch(

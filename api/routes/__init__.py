@@ -2,8 +2,20 @@
 
 from fastapi import APIRouter
 
-from api.routes import chat, completions, embeddings, models, native, requests, utility
+from api.routes import (
+    chat,
+    completions,
+    control,
+    embeddings,
+    models,
+    native,
+    ops,
+    requests,
+    utility,
+    weights,
+)
 
 router = APIRouter()
-for module in (native, completions, chat, embeddings, models, utility, requests):
+for module in (native, completions, chat, embeddings, models, utility, requests, control, ops,
+               weights):  # fmt: skip
     router.include_router(module.router)

@@ -1,5 +1,5 @@
-"""SGLang-native routes: /generate, /abort_request, /health, /get_model_info,
-/get_server_info."""
+"""SGLang-native routes: /generate, /abort_request, /health (readiness), /health_generate,
+/live (liveness), /get_model_info, /get_server_info."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ from urllib.parse import urlsplit, urlunsplit
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from api.deps import ModelDep, TokenizerManagerDep
+from api import fleet, readiness
+from api.deps import TokenizerManagerDep
 from api.errors import ServiceUnavailable
 from api.inputs import native_reqs, raise_for_error
 from api.renderers import native_output
 from api.routes.common import collect, make_router
+from api.routes.ops import read_fleet_or_503
 from api.schemas.native import AbortRequestIn, GenerateRequest
 from api.stream_spec import StreamSpec
 from api.streams import stream_response
-from api.tokenizer_manager import SHUTTING_DOWN
 
 logger = logging.getLogger(__name__)
 
@@ -54,26 +55,43 @@ async def abort_request(body: AbortRequestIn, tm: TokenizerManagerDep) -> Respon
 
 
 @router.get("/health")
-@router.get("/health_generate")
 async def health(tm: TokenizerManagerDep) -> Response:
-    """200 when Redis answers and the result channel is subscribed, else 503 (also from the
-    moment the replica drains for a shutdown)."""
-    if await tm.is_healthy():
-        return Response(status_code=200)
-    if tm.draining:
-        raise ServiceUnavailable(SHUTTING_DOWN)
-    raise ServiceUnavailable("Redis is unreachable or the result channel is not subscribed.")
+    """Readiness: 200 while Redis answers and at least one scheduler is ready, else 503 with
+    the reason (also from the moment the replica drains for a shutdown)."""
+    return _ok_unless(await readiness.not_ready(tm))
+
+
+@router.get("/health_generate")
+async def health_generate(tm: TokenizerManagerDep) -> Response:
+    """Readiness, and one real token through the whole fleet within the timeout."""
+    return _ok_unless(await readiness.not_generating(tm))
+
+
+@router.get("/live")
+async def live(tm: TokenizerManagerDep) -> Response:
+    """Liveness (compose's healthcheck): this replica runs and Redis answers, whether or not
+    a scheduler is ready."""
+    return _ok_unless(await readiness.not_live(tm))
+
+
+def _ok_unless(reason: str | None) -> Response:
+    if reason:
+        raise ServiceUnavailable(reason)
+    return Response(status_code=200)
 
 
 @router.get("/get_model_info")
-async def get_model_info(model: ModelDep) -> dict[str, Any]:
-    """The served model (SGLang's fields plus context length and vocabulary size)."""
+async def get_model_info(tm: TokenizerManagerDep) -> dict[str, Any]:
+    """The served model (SGLang's fields plus context length and vocabulary size); its
+    model_path and weight_version are the fleet's current target (after live updates)."""
+    model = tm.model
+    model_path, weight_version = await tm.weights.current()
     return {
-        "model_path": model.model_path,
+        "model_path": model_path,
         "tokenizer_path": model.resolved_path,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": "default",
+        "weight_version": weight_version,
         "served_model_name": model.served_model_name,
         "context_length": model.context_length,
         "vocab_size": model.vocab_size,
@@ -84,7 +102,9 @@ async def get_model_info(model: ModelDep) -> dict[str, Any]:
 
 @router.get("/get_server_info")
 async def get_server_info(tm: TokenizerManagerDep) -> dict[str, Any]:
-    """This replica's settings (secrets redacted), model and load (SGLang's server info)."""
+    """This replica's settings (secrets redacted), model and load (SGLang's server info), and
+    the fleet: the live workers of each tier (id, state, load, weight version) and the
+    request stream's backlog."""
     settings = tm.settings.model_dump(mode="json")
     settings["redis_url"] = redact_url(tm.settings.redis_url)
     settings["api"]["api_keys"] = f"<{len(tm.settings.api.api_keys)} keys>"
@@ -97,6 +117,7 @@ async def get_server_info(tm: TokenizerManagerDep) -> dict[str, Any]:
         "vocab_size": tm.model.vocab_size,
         "num_running_requests": len(tm.rid_to_state),
         "tokenizer_calls": tm.tok.batcher.num_calls,
+        "workers": fleet.describe(await read_fleet_or_503(tm)),
     }
 
 

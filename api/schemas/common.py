@@ -54,6 +54,8 @@ Rid = Annotated[
     str, StringConstraints(min_length=1, max_length=256), AfterValidator(_check_unicode)
 ]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# A request's `timeout` in seconds.
+Timeout = Annotated[float, Field(gt=0)]
 
 
 def _one_or_list(value: Any) -> str:

@@ -15,6 +15,7 @@ from api.schemas.common import (
     RequestBody,
     Rid,
     SafeStr,
+    Timeout,
     TokenIdsInput,
     reject_present,
 )
@@ -82,6 +83,10 @@ class GenerateRequest(TextOnlyInput):
     top_logprobs_num: OneOrList[int] | None = None
     token_ids_logprob: TokenIdsInput | None = None
     return_text_in_logprobs: bool = False
+    # SGLang's: schedulers start higher values first (default 0).
+    priority: Int64 | None = None
+    # Seconds: past it the request ends with a 504 wherever it is.
+    timeout: Timeout | None = None
 
 
 class EncodeRequest(TextOnlyInput):

@@ -9,11 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.schemas.common import (
     EmbedInput,
+    Int64,
     OneOrList,
     PromptInput,
     RequestBody,
     Rid,
     SafeStr,
+    Timeout,
     reject_present,
     reject_unsupported,
 )
@@ -38,6 +40,10 @@ class OpenAISamplingRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     user: SafeStr | None = None
     rid: Rid | None = None
+    # SGLang's: schedulers start higher values first (default 0).
+    priority: Int64 | None = None
+    # Seconds: past it the request ends with a 504 wherever it is.
+    timeout: Timeout | None = None
     # Accepted only at its neutral value.
     best_of: int | None = None
 
