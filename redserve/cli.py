@@ -1,4 +1,5 @@
-"""`redserve up | api | scheduler | detokenizer | health | dlq`: flags map onto `Settings`.
+"""`redserve up | api | scheduler | detokenizer | health | dlq | status`: flags map onto
+`Settings`.
 
 Each tier's subcommand takes the flags of its own `Settings` section (`api.*`, `scheduler.*`,
 `detokenizer.*`) and the top-level settings that tier reads; `up` runs every tier on one machine,
@@ -104,6 +105,44 @@ FLAGS: tuple[Flag, ...] = (
         "a stream whose client or replica went away waits this long for a re-attach",
         float,
     ),
+    Flag(
+        "--max-queued-requests",
+        "api.max_queued_requests",
+        "503 above this many requests queued fleet-wide; 0 = no bound",
+        int,
+    ),
+    Flag("--rate-limit-rps", "api.rate_limit_rps", "requests per second per API key; 0 = off",
+         float),  # fmt: skip
+    Flag(
+        "--rate-limit-burst",
+        "api.rate_limit_burst",
+        "requests an API key may send at once; 0 = one second's worth",
+        int,
+    ),
+    Flag(
+        "--max-concurrent-requests-per-key",
+        "api.max_concurrent_requests_per_key",
+        "requests in flight per API key; 0 = no cap",
+        int,
+    ),
+    Flag(
+        "--soft-watchdog-timeout",
+        "api.soft_watchdog_s",
+        "log requests with no output for this long (rid, tokens, where they wait); 0 = off",
+        float,
+    ),
+    Flag(
+        "--health-generate-timeout-s",
+        "api.health_generate_timeout_s",
+        "/health_generate answers 503 when its one-token request takes longer",
+        float,
+    ),
+    Flag(
+        "--update-weights-timeout-s",
+        "api.update_weights_timeout_s",
+        "a weight update fails (and is undone) when a scheduler has not loaded it by then",
+        float,
+    ),
     # scheduler.*
     Flag("--device", "scheduler.device", "cpu or cuda"),
     Flag("--dtype", "scheduler.dtype", "auto, float32, bfloat16 or float16"),
@@ -177,6 +216,18 @@ FLAGS: tuple[Flag, ...] = (
         "on SIGTERM, finish running requests this long, then hand the rest over",
         float,
     ),
+    Flag(
+        "--watchdog-timeout",
+        "scheduler.watchdog_s",
+        "a loop with no progress this long dumps its stacks and exits non-zero; 0 = off",
+        float,
+    ),
+    Flag(
+        "--metrics-port",
+        "scheduler.metrics_port",
+        "serve this scheduler's Prometheus metrics (step time, batch size) here; 0 = none",
+        int,
+    ),
     # detokenizer.*
     Flag(
         "--detokenizer-id",
@@ -221,6 +272,9 @@ _HEALTH_FLAGS = ("--redis-url", "--key-prefix", "--port")
 
 # `dlq` reads and writes the dead-letter and request streams.
 _DLQ_FLAGS = ("--redis-url", "--key-prefix")
+
+# `status` reads the workers' heartbeats and the request stream.
+_STATUS_FLAGS = ("--redis-url", "--key-prefix")
 
 # Defaults that are not one literal value: what a default_factory (or None) stands for.
 _DERIVED_DEFAULTS: dict[str, str] = {
@@ -299,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     dlq.add_argument("action", choices=["list", "retry", "purge"])
     dlq.add_argument("rid", nargs="?", help="the request to requeue (retry only)")
     _add_groups(dlq, [f for f in FLAGS if f.name in _DLQ_FLAGS])
+    status_help = "the fleet's live workers (state, load, weights) and backlog, from Redis"
+    status = sub.add_parser("status", help=status_help, description=status_help, epilog=_EPILOG)
+    status.add_argument("--json", action="store_true", help="print JSON (as /get_server_info)")
+    _add_groups(status, [f for f in FLAGS if f.name in _STATUS_FLAGS])
     return parser
 
 
@@ -396,6 +454,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.action == "retry" and not args.rid:
             parser.error("dlq retry needs the RID to requeue")
         sys.exit(dlq.run(settings, args.action, args.rid))
+    if args.command == "status":
+        from redserve import status
+
+        sys.exit(status.run(settings, args.json))
     _tier_main(args.command)(settings)
 
 

@@ -1,7 +1,9 @@
-"""`redserve health api|scheduler`: a container healthcheck.
+"""`redserve health api|scheduler`: a container healthcheck (liveness, not readiness).
 
-api: GET /health answers 200. scheduler: a heartbeat of a scheduler on this host is fresh
-(worker ids start with the host name, and heartbeat keys expire when a worker stops beating).
+api: GET /live answers 200 (the replica runs and Redis answers; /health, its readiness, also
+needs a ready scheduler, which is not this container's health). scheduler: a scheduler on this
+host has a fresh heartbeat and has loaded its model (worker ids start with the host name, and
+heartbeat keys expire when a worker stops beating).
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ import asyncio
 import socket
 import urllib.request
 
+from redis.exceptions import RedisError
+
 from shared import heartbeat
 from shared.config import Settings
-from shared.heartbeat import SCHEDULER
+from shared.heartbeat import SCHEDULER, SchedulerBeat
 from shared.keys import Keys
 from shared.redis_conn import connect
 
@@ -20,13 +24,13 @@ from shared.redis_conn import connect
 def check(settings: Settings, tier: str) -> int:
     try:
         alive = _api_alive(settings) if tier == "api" else asyncio.run(_scheduler_alive(settings))
-    except OSError:
+    except (OSError, RedisError):
         alive = False
     return 0 if alive else 1
 
 
 def _api_alive(settings: Settings) -> bool:
-    url = f"http://127.0.0.1:{settings.api.port}/health"
+    url = f"http://127.0.0.1:{settings.api.port}/live"
     with urllib.request.urlopen(url, timeout=2) as resp:
         return bool(resp.status == 200)
 
@@ -34,7 +38,9 @@ def _api_alive(settings: Settings) -> bool:
 async def _scheduler_alive(settings: Settings) -> bool:
     r = connect(settings.redis_url)
     keys = Keys(settings.key_prefix)
+    host = socket.gethostname()
     try:
-        return bool(await heartbeat.live_workers(r, keys, SCHEDULER, socket.gethostname()))
+        beats = await heartbeat.live_beats(r, keys, SCHEDULER, SchedulerBeat)
     finally:
         await r.aclose()
+    return any(w.startswith(host) and b.state != "loading" for w, b in beats.items())

@@ -1,4 +1,5 @@
-"""`redserve up`: embedded Redis + one process per tier; one Ctrl-C stops everything.
+"""`redserve up`: embedded Redis + one process per tier; one Ctrl-C stops everything. While
+the fleet starts it logs each scheduler's loading progress, then when it is ready to serve.
 
 The tiers get their settings through REDSERVE_* environment variables, exactly as a compose
 deployment would give them, so `up` exercises the same code paths as separate machines.
@@ -6,15 +7,16 @@ deployment would give them, so `up` exercises the same code paths as separate ma
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from redserve.startup import wait_ready
 from shared.config import Settings, child_process_env
 from shared.embedded_redis import EmbeddedRedis
 from shared.model_files import resolve_model
@@ -63,16 +65,12 @@ def stop_tiers(
 
 
 def wait_healthy(settings: Settings, procs: dict[str, subprocess.Popen[bytes]]) -> bool:
-    url = f"http://{settings.api.host}:{settings.api.port}/health"
-    while all(p.poll() is None for p in procs.values()):
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.5)
-    return False
+    """Until the fleet is ready (True) or a tier exited, logging each scheduler's progress."""
+
+    def running() -> bool:
+        return all(p.poll() is None for p in procs.values())
+
+    return asyncio.run(wait_ready(settings, running, logger.info))
 
 
 def supervise(procs: dict[str, subprocess.Popen[bytes]]) -> int:
@@ -107,7 +105,7 @@ def up(settings: Settings) -> None:
         procs = start_tiers(settings)
         if wait_healthy(settings, procs):
             logger.info(
-                "redserve is up: http://%s:%d  (Ctrl-C stops everything)",
+                "redserve is ready: http://%s:%d  (Ctrl-C stops everything)",
                 settings.api.host,
                 settings.api.port,
             )
