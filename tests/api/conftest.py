@@ -1,5 +1,6 @@
 """Fixtures of the api tests: the app on fakeredis with its lifespan running, an ASGI client,
-the real SmolLM2 tokenizer, and a fake back end that answers jobs."""
+the real SmolLM2 tokenizer, a fake back end that answers jobs, and (for every test) a ready
+scheduler's heartbeat."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from shared.keys import Keys
 from tests.support.api_backend import ScriptedBackend
 from tests.support.app import API_ID
 from tests.support.backend import FakeBackend
+from tests.support.beats import scheduler_beating
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +29,16 @@ def tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(autouse=True)
+async def ready_scheduler(fake_server: fakeredis.FakeServer, keys: Keys) -> AsyncIterator[None]:
+    """A ready scheduler's beat on the fake Redis: /health needs one. A test that wants none
+    runs its app on a FakeServer of its own."""
+    r = fakeredis.FakeAsyncRedis(server=fake_server)
+    async with scheduler_beating(r, keys, "fake-scheduler"):
+        yield
+    await r.aclose()
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""API keys (`--api-key`, several allowed): every route but /health needs one, and the openai
-client's error classes map (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError)."""
+"""API keys (`--api-key`, several allowed): every route but the probes and /metrics needs one,
+and the openai client's error classes map (400 BadRequestError, 401 AuthenticationError, 404
+NotFoundError)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
+from api.middleware import OPEN_PATHS
 from redserve.cli import build_parser, settings_from_args
 from shared.config import Settings
 from tests.support.app import running_app, with_api
@@ -44,7 +46,7 @@ async def test_every_route_but_health_needs_a_key(
     assert len(routes) > 15
     for method, path in routes:
         resp = await client.request(method, path, json={})
-        expected = 200 if path == "/health" else 401
+        expected = 200 if path in OPEN_PATHS else 401
         assert resp.status_code == expected, (method, path, resp.text)
 
 

@@ -156,14 +156,14 @@ async def _settled(manager: Any) -> bool:
 
 
 async def _stream_empty(r: aioredis.Redis, keys: Keys) -> bool:
-    return await r.xlen(keys.request_stream) == 0
+    return all([await r.xlen(stream) == 0 for stream in keys.request_streams])
 
 
 async def _assert_every_key_expires(r: aioredis.Redis, keys: Keys, kinds: list[str]) -> None:
     found = [k.decode() async for k in r.scan_iter(match=f"{keys.prefix}:*", count=1000)]
-    # The job stream is the fleet's queue, not a request's key: it stays, empty (every job
-    # was acked and deleted), and is trimmed by MAXLEN.
-    per_request = [k for k in found if k != keys.request_stream]
+    # The job streams are the fleet's queues, not a request's keys: they stay, empty (every
+    # job was acked and deleted), and are trimmed by MAXLEN.
+    per_request = [k for k in found if k not in keys.request_streams]
     assert len(per_request) > NUM_REQUESTS  # states, abort markers, aborted rids' claims
     async with r.pipeline(transaction=False) as pipe:
         for key in per_request:

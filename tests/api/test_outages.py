@@ -194,7 +194,7 @@ async def test_a_full_redis_is_a_503_that_says_so(
         assert set(native) == {"message"}
         assert oai["code"] == "redis_out_of_memory" and oai["type"] == "server_error"
         assert app.state.manager.rid_to_state == {}
-        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/live")).status_code == 200  # full is not gone (no scheduler)
     await r.aclose()
 
 

@@ -1,5 +1,6 @@
-"""`redserve up` (what `make serve` runs): embedded Redis, the default model, a curl answer,
-and one Ctrl-C stops every process."""
+"""`redserve up` (what `make serve` runs): embedded Redis, the default model, progress lines
+while the scheduler loads and one when the fleet is ready, a curl answer, and one Ctrl-C stops
+every process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -37,16 +39,34 @@ def _descendants(pid: int) -> list[int]:
     return children + [d for c in children for d in _descendants(c)]
 
 
-def test_redserve_up_answers_curl_and_stops_on_ctrl_c(tmp_path: pytest.TempPathFactory) -> None:
+def _wait_line(log: Path, text: str, timeout_s: float = 30) -> str:
+    """The first line of `log` that contains `text` (redserve up's output, and its tiers')."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if text in line]
+        if lines:
+            return lines[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no line with {text!r} in:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def test_redserve_up_answers_curl_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("REDSERVE_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "redserve.cli", "up", "--port", str(port)],
-        env=env,
-        start_new_session=True,
-    )
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "redserve.cli", "up", "--port", str(port)],
+            env=env,
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         _wait_health(port, proc)
+        # It said how the scheduler's loading went, then that the fleet is ready.
+        assert "redserve.supervisor: scheduler " in _wait_line(log, " loading: ")
+        assert f":{port}" in _wait_line(log, "redserve is ready")
         children = _descendants(proc.pid)
         assert len(children) >= 4  # redis-server + api + scheduler + detokenizer
         payload = json.dumps(

@@ -2,7 +2,8 @@
 failover tests. Like the real tiers it marks jobs running (epoch 1), appends each step's ids to
 the id log, marks requests finished (or aborted, once their abort marker appears) and acks
 their jobs; like the real detokenizer it obeys Reattach on the control channel: a rid's text
-goes to the new api replica from then on, and from_seqs >= 0 sends it again from that seq."""
+goes to the new api replica from then on, and from_seqs >= 0 sends it again from that seq. It
+beats as a ready scheduler ("scripted") so the api's readiness sees one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from redis.exceptions import RedisError
 from shared import protocol, request_state, request_stream
 from shared.keys import Keys
 from tests.support.backend import EOS_ID, REPLY, fake_logprobs
+from tests.support.beats import BEAT_EVERY_S, beat_once
 
 
 class ScriptedBackend:
@@ -41,6 +43,7 @@ class ScriptedBackend:
             asyncio.create_task(_retrying(self._read_jobs)),
             asyncio.create_task(_retrying(lambda: self._control(ready))),
             asyncio.create_task(_retrying(self._reap_aborts)),
+            asyncio.create_task(_retrying(self._beat)),  # a ready scheduler, for /health
         ]
         await asyncio.wait_for(ready.wait(), 5)
         return self
@@ -146,6 +149,11 @@ class ScriptedBackend:
             self.route[rid] = msg.api_id
             if self.resend and 0 <= seq < self.pos[rid]:
                 await self.publish(rid, self.entry(rid, seq, self.pos[rid]))
+
+    async def _beat(self) -> None:
+        while True:
+            await beat_once(self.redis, self.keys, "scripted")
+            await asyncio.sleep(BEAT_EVERY_S)
 
     async def _reap_aborts(self) -> None:
         """Like a scheduler: an aborted running request is marked aborted and acked."""

@@ -47,9 +47,15 @@ class Fleet:
 
     # -- processes -------------------------------------------------------------------------
     def start(
-        self, name: str, tier: str, wait: bool = True, env: dict[str, str] | None = None
+        self,
+        name: str,
+        tier: str,
+        wait: bool = True,
+        env: dict[str, str] | None = None,
+        module: list[str] | None = None,
     ) -> None:
-        """Start `redserve <tier>` as `name` (its id: `name`); `env` adds REDSERVE_* values."""
+        """Start `redserve <tier>` as `name` (its id: `name`); `env` adds REDSERVE_* values;
+        `module` runs `python -m <module...>` instead (a test's own entry point for the tier)."""
         settings = self.settings.model_copy(deep=True)
         settings.api.api_id = settings.scheduler.worker_id = name
         settings.detokenizer.worker_id = name
@@ -58,7 +64,7 @@ class Fleet:
         environ = {**child_process_env(settings), **(env or {})}
         out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "redserve.cli", tier], env=environ, stdout=out,
+            [sys.executable, "-m", *(module or ["redserve.cli", tier])], env=environ, stdout=out,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
         if wait:
@@ -74,7 +80,9 @@ class Fleet:
                 )
             if tier == "api" and _healthy(self.url(name)):
                 return
-            if tier != "api" and r.exists(self.keys.heartbeat(tier, name)):
+            # A scheduler beats "loading" while its model loads: ready once it is past that.
+            beat = self.keys.heartbeat(tier, name)
+            if tier != "api" and r.exists(beat) and r.hget(beat, "state") != "loading":
                 return
             time.sleep(0.2)
         raise RuntimeError(f"{name} not ready in {READY_TIMEOUT_S}s\n{self.logs()}")
@@ -119,8 +127,9 @@ class Fleet:
 
 
 def _healthy(url: str) -> bool:
+    """The replica is alive (/live: it may be up before any scheduler is ready)."""
     try:
-        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+        with urllib.request.urlopen(url + "/live", timeout=1) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False
@@ -208,7 +217,8 @@ def assert_invariants(fleet: Fleet, tap: Tap | None = None) -> None:
     and on the tap, per request: epochs that never go back, one finish."""
     r = fleet.redis()
     keys = fleet.keys
-    assert r.xpending(keys.request_stream, SCHEDULER_GROUP)["pending"] == 0
+    for stream in keys.request_streams:
+        assert r.xpending(stream, SCHEDULER_GROUP)["pending"] == 0, f"{stream} has pending jobs"
     for family in ("state", "ids", "abort", "rid", "events"):
         for key in r.scan_iter(match=f"{keys.prefix}:{family}:*", count=500):
             assert r.ttl(key) >= 0, f"{key} has no TTL"

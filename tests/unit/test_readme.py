@@ -110,7 +110,7 @@ def test_readme_shows_the_two_commands_first() -> None:
 
 def test_readme_stays_short_and_narrow() -> None:
     lines = README.splitlines()
-    assert len(lines) < 250
+    assert len(lines) < 300
     wide = [f"{n}: {len(line)}" for n, line in enumerate(lines, 1) if len(line) > 200]
     assert not wide
 
