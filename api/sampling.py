@@ -54,6 +54,7 @@ def make_sampling(raw: SamplingFields, *, openai: bool = False) -> protocol.Samp
         repetition_penalty=_or(raw.repetition_penalty, 1.0),
         min_new_tokens=raw.min_new_tokens_sent or 0,
         logit_bias=logit_bias(raw.logit_bias, openai),
+        grammar=raw.grammar_sent,
     )
 
 

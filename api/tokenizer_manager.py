@@ -32,6 +32,7 @@ from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, unavailable
 from api.req_state import GenerateReq, ReqOutput, ReqState, TextPair
 from api.result_listener import ResultListener
 from api.stream_spec import StreamSetup
+from api.structured import check_grammars
 from api.tokenization import TextTokenizer
 from api.validation import build_job, check_chars
 from api.waiting import Disconnectable, wait_batch, wait_one
@@ -165,6 +166,7 @@ class TokenizerManager:
     async def _generate(
         self, reqs: list[GenerateReq], request: Disconnectable | None, stream: StreamSetup | None
     ) -> AsyncGenerator[ReqOutput | None, None]:
+        await check_grammars(reqs)
         await self._tokenize(reqs)
         jobs = [build_job(req, req.input_ids, self.model, self.api_id) for req in reqs]
         self._check_local_duplicates(reqs)

@@ -26,6 +26,18 @@ class ProtocolVersionError(ValueError):
     pass
 
 
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
+
+
+class Grammar(msgspec.Struct, omit_defaults=True):
+    """A constraint on the output (structured output): a JSON schema (text), any JSON object,
+    a regex, an EBNF grammar (xgrammar's dialect, rule `root`) or a structural tag (JSON).
+    The api checked it compiles; schedulers compile it again, cached by its text."""
+
+    kind: GrammarKind
+    text: str = ""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
     """Engine-side sampling parameters (already validated by the api)."""
 
@@ -44,6 +56,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=F
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: dict[int, float] = {}
+    grammar: Grammar | None = None
 
 
 class LogprobRequest(msgspec.Struct, omit_defaults=True):

@@ -21,8 +21,10 @@ from api.schemas.common import (
 )
 from api.schemas.openai import ChatMessage
 from api.schemas.sampling import SamplingFields
+from api.structured import one_grammar
+from shared.protocol import Grammar
 
-_UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+_UNSUPPORTED_SAMPLING = ("stop_regex",)
 _UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "audio_data", "video_data", "lora_path")
 
 
@@ -34,11 +36,12 @@ class SamplingParamsIn(SamplingFields):
     sampling_seed: Int64 | None = None
     # Accepted and ignored: a streaming cadence hint.
     stream_interval: int | None = None
+    # Structured output: at most one (api.structured).
+    json_schema: SafeStr | dict[str, Any] | None = None
+    regex: SafeStr | None = None
+    ebnf: SafeStr | None = None
+    structural_tag: SafeStr | dict[str, Any] | None = None
     # Rejected when given.
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    structural_tag: Any = None
     stop_regex: Any = None
 
     @model_validator(mode="after")
@@ -53,6 +56,13 @@ class SamplingParamsIn(SamplingFields):
     @property
     def seed_sent(self) -> int | None:
         return self.seed if self.seed is not None else self.sampling_seed
+
+    @property
+    def grammar_sent(self) -> Grammar | None:
+        return one_grammar(
+            {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
+             "structural_tag": self.structural_tag}
+        )  # fmt: skip
 
 
 class TextOnlyInput(RequestBody):

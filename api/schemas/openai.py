@@ -7,6 +7,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from api.errors import BadRequest
 from api.schemas.common import (
     EmbedInput,
     Int64,
@@ -20,6 +21,8 @@ from api.schemas.common import (
     reject_unsupported,
 )
 from api.schemas.sampling import SamplingFields
+from api.structured import ONLY_ONE, choice_regex, one_grammar, response_format_grammar
+from shared.protocol import Grammar
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (1,)}
 
@@ -29,6 +32,36 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: SafeStr | None = None
+    description: SafeStr | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format; `structural_tag` (SGLang's, vLLM's) keeps its own fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs (the successor of its guided_* fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: SafeStr | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: SafeStr | None = None
+    choice: list[SafeStr] | None = None
+    grammar: SafeStr | None = None
+    structural_tag: SafeStr | dict[str, Any] | None = None
 
 
 class OpenAISamplingRequest(SamplingFields):
@@ -46,6 +79,13 @@ class OpenAISamplingRequest(SamplingFields):
     timeout: Timeout | None = None
     # Accepted only at its neutral value.
     best_of: int | None = None
+    # Structured output (api.structured): OpenAI's, then vLLM's names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: SafeStr | dict[str, Any] | None = None
+    guided_regex: SafeStr | None = None
+    guided_choice: list[SafeStr] | None = None
+    guided_grammar: SafeStr | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> Self:
@@ -65,6 +105,20 @@ class OpenAISamplingRequest(SamplingFields):
     @property
     def min_new_tokens_sent(self) -> int | None:
         return self.min_tokens
+
+    @property
+    def grammar_sent(self) -> Grammar | None:
+        so = self.structured_outputs or StructuredOutputs()
+        choice = so.choice or self.guided_choice
+        vllm = one_grammar(
+            {"json_schema": so.json_ or self.guided_json,
+             "regex": so.regex or self.guided_regex or (choice and choice_regex(choice)),
+             "ebnf": so.grammar or self.guided_grammar, "structural_tag": so.structural_tag}
+        )  # fmt: skip
+        from_format = response_format_grammar(self.response_format)
+        if vllm is not None and from_format is not None:
+            raise BadRequest(ONLY_ONE, param="response_format")
+        return vllm or from_format
 
 
 class CompletionRequest(OpenAISamplingRequest):
@@ -108,12 +162,6 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(OpenAISamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -121,7 +169,6 @@ class ChatCompletionRequest(OpenAISamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None

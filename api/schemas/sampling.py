@@ -5,6 +5,7 @@ extras). Each API adds its own: max_new_tokens / max_tokens, min_new_tokens / mi
 from __future__ import annotations
 
 from api.schemas.common import Int64, OneOrList, RequestBody, SafeStr
+from shared.protocol import Grammar
 
 
 class SamplingFields(RequestBody):
@@ -37,3 +38,8 @@ class SamplingFields(RequestBody):
     @property
     def seed_sent(self) -> int | None:
         return self.seed
+
+    @property
+    def grammar_sent(self) -> Grammar | None:
+        """The output constraint (structured output) under this API's names."""
+        return None

@@ -33,7 +33,7 @@ CASES: list[tuple[str, Any, str]] = [
     ("/generate", {"text": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
     ("/generate", {"text": "hi", "sampling_params": {"seed": 2**70}}, "seed"),
     ("/generate", {"text": "hi", "sampling_params": {"frequency_penalty": 3}}, "[-2, 2]"),
-    ("/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, "not supported"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_regex": "a+"}}, "not supported"),
     ("/generate", {"text": "hi", "sampling_params": {"min_p": 1.5}}, "min_p must be in [0, 1]"),
     ("/generate", {"text": "hi", "sampling_params": {"presence_penalty": -3}}, "[-2, 2]"),
     ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": 0}}, "(0, 2]"),

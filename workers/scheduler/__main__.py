@@ -28,6 +28,7 @@ from shared.model_files import resolve_model
 from shared.redis_conn import connect
 from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.grammar.compiler import GrammarCompiler
 from workers.scheduler.loading import LoadingBeat
 from workers.scheduler.loop import SchedulerLoop
 from workers.scheduler.metrics import serve_metrics
@@ -94,7 +95,9 @@ def build_loop(settings: Settings) -> SchedulerLoop:
         "ready: context %d tokens, eos ids %s", core.max_model_len, sorted(config.eos_token_ids)
     )
     redis = connect(settings.redis_url)
-    return SchedulerLoop(redis, Keys(settings.key_prefix), settings, core, runner, model_path)
+    grammars = GrammarCompiler(tokenizer, args.vocab_size)
+    keys = Keys(settings.key_prefix)
+    return SchedulerLoop(redis, keys, settings, core, runner, model_path, grammars)
 
 
 def eos_token_ids(tokenizer_eos: int | None, model_path: str) -> frozenset[int]:

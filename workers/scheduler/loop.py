@@ -28,7 +28,8 @@ from shared import fleet_control, heartbeat, ownership, protocol, request_state,
 from shared.config import Settings
 from shared.keys import HEARTBEAT_EVERY_S, Keys
 from workers.scheduler.core.scheduler import Scheduler
-from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.core.sequence import Sequence, SequenceStatus
+from workers.scheduler.grammar.compiler import GrammarCompiler
 from workers.scheduler.intake import Disposition, take
 from workers.scheduler.metrics import SchedulerMetrics
 from workers.scheduler.steering import Steering
@@ -37,6 +38,10 @@ from workers.scheduler.step_writes import current_batches, step_writes
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 2.0
+COMPILE_POLL_S = 0.002  # nothing to do but wait for a grammar to compile
+NO_GRAMMARS = protocol.FinishReason(
+    type="abort", message="This scheduler cannot constrain output.", status_code=400
+)
 STATS_EVERY_S = 10.0
 
 # Redis replies that mean "not now" (full, loading, restarted without our group), not a bug.
@@ -68,9 +73,10 @@ class SchedulerLoop:
         core: Scheduler,
         runner: ModelRunner,
         model_path: str = "",
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.redis, self.keys, self.settings = redis, keys, settings
-        self.core, self.runner = core, runner
+        self.core, self.runner, self.grammars = core, runner, grammars
         self.worker_id = settings.scheduler.worker_id
         self.steering = Steering(core, runner, settings, model_path or settings.model)
         self.control, self.updater = self.steering.control, self.steering.updater
@@ -172,6 +178,8 @@ class SchedulerLoop:
         did_work = bool(num_taken or seqs or published or switched)
         if not did_work and not steer.may_step:
             await steer.idle(self.settings.scheduler.idle_block_ms / 1000)
+        elif not did_work and self.core.num_compiling:
+            await asyncio.sleep(COMPILE_POLL_S)
         return did_work
 
     def _step(self) -> list[Sequence]:
@@ -241,8 +249,9 @@ class SchedulerLoop:
         self._abort_rids.clear()
 
     def _expire(self) -> None:
-        """End the requests past their deadline (also while paused)."""
-        for seq in self.core.expire():
+        """End the requests past their deadline (also while paused), and those whose
+        grammar did not compile."""
+        for seq in self.core.expire() + self.core.fail_grammars():
             self._outbox[seq.rid] = seq
             self._batch_changed = True
 
@@ -311,6 +320,12 @@ class SchedulerLoop:
 
     def _add(self, seq: Sequence) -> bool:
         """Hand `seq` to the core; False when it ended at once (bad request, nothing to do)."""
+        grammar = seq.sampling.grammar
+        if grammar is not None and self.grammars is None:
+            seq.status, seq.finish = SequenceStatus.FINISHED, NO_GRAMMARS
+            return False
+        if grammar is not None and self.grammars is not None:
+            seq.grammar = self.grammars.constraint(grammar, seq.output_ids)
         reason = self.core.add(seq)
         if reason is None:
             logger.debug("rid=%s admitted at epoch %d, resumed at %d tokens",

@@ -16,6 +16,8 @@ running sequences (the lowest priority, the newest among equals) are preempted: 
 their blocks back (which stay cached) and are recomputed from their tokens later, and no
 waiting sequence starts in that step. A sequence past its deadline ends with a 504 abort:
 when it is added (a job that waited too long in the stream) or at the next `expire`.
+A constrained sequence (structured output) waits until its grammar compiled, letting the
+ones behind it start; its grammar takes each sampled token and ends it once it terminated.
 """
 
 from __future__ import annotations
@@ -183,8 +185,11 @@ class Scheduler:
         the budget, max_num_seqs and the free blocks allow."""
         bm = self.block_manager
         scheduled: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not seq.is_ready:  # its grammar is still compiling: the next ones may start
+                continue
             bm.allocate_cached_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
@@ -196,7 +201,8 @@ class Scheduler:
             seq.num_new_tokens = num_new
             budget -= num_new
             seq.status = SequenceStatus.RUNNING
-            _enqueue(self.running, self.waiting.popleft())
+            self.waiting.remove(seq)
+            _enqueue(self.running, seq)
             scheduled.append(seq)
         return scheduled
 
@@ -224,7 +230,7 @@ class Scheduler:
                 finished.append(seq)
                 continue
             seq.append_token(token_id)
-            reason = self._finish_reason(seq, token_id)
+            reason = self._grammar_finish(seq, token_id) or self._finish_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
@@ -247,6 +253,20 @@ class Scheduler:
                 return FinishReason(type="stop", matched=matched)
         if len(seq) >= self.max_model_len:
             return FinishReason(type="length", length=seq.num_completion_tokens)
+        return None
+
+    def _grammar_finish(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        """Feed the token to the request's grammar: a grammar that ended (it took eos, or
+        allows nothing more) ends the request with `stop`."""
+        grammar = seq.grammar
+        if grammar is None:
+            return None
+        if not grammar.accept(token_id):  # the sampler's mask forbids this: a bug
+            return FinishReason(
+                type="abort", message=f"Token {token_id} broke the grammar.", status_code=500
+            )
+        if grammar.is_terminated():
+            return FinishReason(type="stop", matched=token_id)
         return None
 
     def _matched_stop(self, seq: Sequence) -> str | None:
@@ -276,6 +296,23 @@ class Scheduler:
                         seq.num_completion_tokens)  # fmt: skip
             self._drop(seq, deadlines.exceeded(seq.deadline - seq.created_at))
         return late
+
+    def fail_grammars(self) -> list[Sequence]:
+        """End the waiting sequences whose grammar cannot constrain them (it did not
+        compile): a 400 abort, for the caller to publish."""
+        failed = [
+            seq for seq in self.waiting
+            if seq.grammar is not None and seq.grammar.ready and seq.grammar.failure
+        ]  # fmt: skip
+        for seq in failed:
+            assert seq.grammar is not None and seq.grammar.failure is not None
+            self._drop(seq, _bad_request(seq.grammar.failure))
+        return failed
+
+    @property
+    def num_compiling(self) -> int:
+        """Waiting sequences held back until their grammar compiled."""
+        return sum(not seq.is_ready for seq in self.waiting)
 
     def _drop(self, seq: Sequence, reason: FinishReason) -> None:
         queue = self.waiting if seq.status == SequenceStatus.WAITING else self.running

@@ -6,6 +6,7 @@ Pure Python (no torch, no redis): the core, the loop and the model runner all re
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import Protocol
 
 from shared.protocol import DetokParams, FinishReason, LogprobRequest, SamplingParams
 from workers.scheduler.core.logprob_state import LogprobState
@@ -15,6 +16,21 @@ class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
+
+
+class GrammarState(Protocol):
+    """A constrained request's grammar (workers.scheduler.grammar.Constraint): the core only
+    asks whether it compiled, feeds it the sampled tokens and asks whether it ended."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    def accept(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
 
 
 class Sequence:
@@ -66,6 +82,8 @@ class Sequence:
         self.created_at = created_at  # unix time the api submitted it
         # Seconds from submission to this owner's first step (sent with the first entry).
         self.queue_time: float | None = None
+        # Structured output: set by the loop when sampling.grammar is; the sampler masks by it.
+        self.grammar: GrammarState | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -94,6 +112,11 @@ class Sequence:
         """Whether the scheduled step reaches the last token, so it samples the next one
         (a prefill chunk that stops short of the end does not)."""
         return self.num_new_tokens > 0 and self.num_new_tokens == self.num_uncomputed_tokens
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether it may start: its grammar (if any) finished compiling."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def is_finished(self) -> bool:

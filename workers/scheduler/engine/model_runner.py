@@ -35,6 +35,7 @@ from workers.scheduler.engine.outputs import (
 )
 from workers.scheduler.engine.reload import reload_runner
 from workers.scheduler.engine.sampler import process_logits, sample
+from workers.scheduler.grammar.masks import apply_grammars
 from workers.scheduler.layers.attention_tuning import (
     PREFILL_TOKENS,
     AttentionChoice,
@@ -260,6 +261,7 @@ class TorchModelRunner:
         samplers = [seqs[i] for i in rows]
         logits = self.model.compute_logits(hidden[batch.last_index[rows]])
         logits = process_logits(logits, samplers, self.eos_token_ids)
+        apply_grammars(logits, samplers)
         token_ids = sample(logits, samplers)
         record_output_logprobs(logits, samplers, token_ids)
         return token_ids

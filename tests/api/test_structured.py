@@ -1,0 +1,87 @@
+"""Structured output at the api: each API's names become one Grammar on the job, and a
+constraint that does not compile is a 400 naming the problem, with nothing queued."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.protocol import Grammar
+from tests.support.backend import FakeBackend
+
+MSG = [{"role": "user", "content": "hi"}]
+FMT = {"type": "json_schema", "json_schema": {"name": "x"}}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "grammar"),
+    [
+        ("/generate", {"text": "hi", "sampling_params": {"json_schema": json.dumps(SCHEMA)}},
+         Grammar("json_schema", json.dumps(SCHEMA))),
+        ("/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, Grammar("regex", "a+")),
+        ("/generate", {"text": "hi", "sampling_params": {"ebnf": 'root ::= "x"'}},
+         Grammar("ebnf", 'root ::= "x"')),
+        ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}},
+         Grammar("json_object")),
+        ("/v1/chat/completions",
+         {"messages": MSG,
+          "response_format": {**FMT, "json_schema": {"name": "x", "schema": SCHEMA}}},
+         Grammar("json_schema", json.dumps(SCHEMA, separators=(",", ":")))),
+        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}},
+         Grammar("json_object")),
+        ("/v1/completions", {"prompt": "hi", "guided_choice": ["yes", "no"]},
+         Grammar("regex", "(yes)|(no)")),
+        ("/v1/chat/completions", {"messages": MSG, "structured_outputs": {"regex": r"\d+"}},
+         Grammar("regex", r"\d+")),
+        ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "text"}}, None),
+    ],
+)  # fmt: skip
+async def test_each_api_s_names_become_the_job_s_grammar(
+    client: httpx.AsyncClient, backend: FakeBackend, path: str, body: Any, grammar: Grammar | None
+) -> None:
+    resp = await client.post(path, json=body)
+    assert resp.status_code == 200, resp.text
+    assert backend.jobs[-1].sampling.grammar == grammar
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        ("/generate", {"text": "hi", "sampling_params": {"json_schema": '{"type": "foo"}'}},
+         'Invalid json_schema: Unsupported type "foo"'),
+        ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}},
+         "Invalid json_schema"),
+        ("/generate", {"text": "hi", "sampling_params": {"regex": "[a-"}},
+         "Invalid regex: Regex parsing error at position 4: Unclosed '['"),
+        ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= foo"}},
+         'Rule "foo" is not defined'),
+        ("/generate", {"text": "hi", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+         "Only one of regex, json_schema, or ebnf can be set."),
+        ("/v1/chat/completions",
+         {"messages": MSG, "response_format": FMT},
+         "response_format.json_schema.schema is required"),
+        ("/v1/chat/completions",
+         {"messages": MSG,
+          "response_format": {**FMT, "json_schema": {"name": "x", "schema": {"type": 3}}}},
+         "Invalid json_schema: Type should be a string"),
+        ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "xml"}},
+         "response_format"),
+        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"},
+                             "guided_regex": "a"}, "Only one of"),
+        ("/v1/completions", {"prompt": "hi", "guided_grammar": "root ::= ("}, "Invalid ebnf"),
+    ],
+)  # fmt: skip
+async def test_a_constraint_that_does_not_compile_is_a_400(
+    client: httpx.AsyncClient, fake_redis: aioredis.Redis, keys: Keys, path: str, body: Any,
+    needle: str,
+) -> None:
+    resp = await client.post(path, json=body)
+    assert resp.status_code == 400, resp.text
+    assert needle in resp.json()["error"]["message"]
+    assert await fake_redis.xlen(keys.request_stream) == 0
