@@ -14,7 +14,14 @@ from api.errors import ApiError, BadRequest
 from api.req_state import GenerateReq, ReqOutput, TextPair
 from api.sampling import make_sampling
 from api.schemas.native import GenerateRequest, SamplingParamsIn
-from api.schemas.openai import ChatCompletionRequest, CompletionRequest, OpenAISamplingRequest
+from api.schemas.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FunctionCall,
+    OpenAISamplingRequest,
+    ToolCallOut,
+)
+from api.tools import ToolCall, call_id
 from shared import protocol
 from shared.config import ApiSettings
 
@@ -335,6 +342,21 @@ def raise_for_error(outputs: list[ReqOutput]) -> None:
 
 def openai_finish_reason(out: ReqOutput) -> str | None:
     return out.finish_reason.type if out.finish_reason else None
+
+
+def tool_finish_reason(out: ReqOutput, calls: list[ToolCall]) -> str | None:
+    """OpenAI's finish_reason; `tool_calls` when the model stopped after calling tools."""
+    reason = openai_finish_reason(out)
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def tool_calls_out(rid: str, calls: list[ToolCall]) -> list[ToolCallOut] | None:
+    if not calls:
+        return None
+    return [
+        ToolCallOut(id=call_id(rid, i), function=FunctionCall(name=c.name, arguments=c.arguments))
+        for i, c in enumerate(calls)
+    ]
 
 
 def matched_stop(out: ReqOutput) -> int | str | None:

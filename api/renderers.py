@@ -19,7 +19,7 @@ import msgspec
 
 from api import sse
 from api.errors import error_body
-from api.inputs import openai_finish_reason
+from api.inputs import openai_finish_reason, tool_calls_out, tool_finish_reason
 from api.logprob_log import LogprobLog
 from api.logprobs import chat_logprobs, completion_logprobs, sglang_logprobs
 from api.req_state import ReqOutput, ReqState
@@ -31,9 +31,11 @@ from api.schemas.openai import (
     CompletionStreamChoice,
     CompletionStreamResponse,
     DeltaMessage,
+    ToolCallDelta,
     UsageInfo,
 )
 from api.stream_spec import StreamSpec
+from api.tools import ToolStream
 
 TokenTexts = Callable[[Sequence[int]], list[str]]
 
@@ -303,6 +305,10 @@ class CompletionRenderer(OpenAIRenderer):
 class ChatRenderer(OpenAIRenderer):
     chunk_type = ChatCompletionChunk
 
+    def __init__(self, spec: StreamSpec, texts: TokenTexts) -> None:
+        super().__init__(spec, texts)
+        self.tool_streams: dict[int, ToolStream] = {}  # per choice, when tools are on
+
     def opening(self) -> list[Event]:
         """Each choice of a stream opens with the assistant role."""
         role = DeltaMessage(role="assistant", content="")
@@ -315,12 +321,28 @@ class ChatRenderer(OpenAIRenderer):
         logprobs = None
         if out.logprobs is not None:
             logprobs = ChatLogprobs(**chat_logprobs(out, self.texts, out.start))
+        if self.spec.tool_parser:
+            return self._tool_choice(out, logprobs)
         return ChatStreamChoice(
             index=out.index,
             delta=DeltaMessage(content=out.delta) if out.delta else DeltaMessage(),
             logprobs=logprobs,
             finish_reason=openai_finish_reason(out),
         )
+
+    def _tool_choice(self, out: ReqOutput, logprobs: ChatLogprobs | None) -> ChatStreamChoice:
+        """Text until a call may begin; the calls in one delta when the choice finishes.
+        (A stream re-attached on another replica mid-call shows that call as text.)"""
+        stream = self.tool_streams.setdefault(out.index, ToolStream(self.spec.tool_parser))
+        content = stream.feed(out.delta, out.finished)
+        calls = stream.calls if out.finished else []
+        deltas = [
+            ToolCallDelta(index=i, **call.model_dump())
+            for i, call in enumerate(tool_calls_out(out.rid, calls) or [])
+        ]
+        delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+        return ChatStreamChoice(index=out.index, delta=delta, logprobs=logprobs,
+                                finish_reason=tool_finish_reason(out, calls))  # fmt: skip
 
 
 RENDERERS: dict[str, type[Renderer]] = {

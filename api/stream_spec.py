@@ -41,6 +41,7 @@ class StreamSpec(msgspec.Struct, omit_defaults=True):
     model: str = ""
     include_usage: bool = False
     continuous_usage: bool = False
+    tool_parser: str = ""  # chat with tools: how calls are parsed out of the text
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -93,6 +93,8 @@ FLAGS: tuple[Flag, ...] = (
         "a stream whose client or replica went away waits this long for a re-attach",
         float,
     ),
+    Flag("--tool-call-parser", "api.tool_call_parser", "how the model writes tool calls",
+         choices=("hermes", "llama3")),  # fmt: skip
     Flag(
         "--max-queued-requests",
         "api.max_queued_requests",

@@ -73,6 +73,9 @@ class ApiSettings(_Checked):
     # /health_generate answers 503 when its one-token request through the fleet takes longer
     # (SGLang's HEALTH_CHECK_TIMEOUT).
     health_generate_timeout_s: float = Field(default=20.0, gt=0)
+    # How a model writes tool calls (SGLang's --tool-call-parser): `hermes` (<tool_call>
+    # JSON </tool_call>, also what a chat template without tools is taught) or `llama3`.
+    tool_call_parser: Literal["hermes", "llama3"] = "hermes"
     # POST /update_weights_from_disk waits this long for every scheduler's result, then
     # answers success false naming who did not answer (and the fleet goes back).
     update_weights_timeout_s: float = Field(default=600.0, gt=0)

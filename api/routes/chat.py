@@ -3,19 +3,22 @@
 
 from __future__ import annotations
 
+import msgspec
 from fastapi import Request, Response
 
 from api.deps import TokenizerManagerDep
+from api.errors import BadRequest
 from api.inputs import (
     chat_messages,
     chat_reqs,
     chat_template_kwargs,
     matched_stop,
-    openai_finish_reason,
+    tool_calls_out,
+    tool_finish_reason,
 )
 from api.logprobs import chat_logprobs
 from api.renderers import OpenAIHead, usage_of
-from api.req_state import ReqOutput
+from api.req_state import GenerateReq, ReqOutput
 from api.routes.common import make_router
 from api.routes.respond import openai_spec, respond
 from api.schemas.openai import (
@@ -26,6 +29,7 @@ from api.schemas.openai import (
     ChatLogprobs,
 )
 from api.tokenizer_manager import TokenizerManager
+from api.tools import ToolCall, ToolSetup, parse_calls, setup_tools
 
 router = make_router("openai")
 
@@ -39,29 +43,64 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, tm: TokenizerManagerDep
 ) -> Response:
     """Answer a conversation; the prompt is the chat template with a generation prompt."""
-    messages = chat_messages(body)
-    input_ids = await tm.render_chat(messages, **chat_template_kwargs(body))
+    tools = _tools(body, tm)
+    kwargs = chat_template_kwargs(body)
+    if tools.tools:
+        kwargs["tools"] = tools.tools
+    input_ids = await tm.render_chat(tools.messages, **kwargs)
     base, reqs = chat_reqs(body, input_ids, tm.settings.api)
+    _constrain(reqs, tools)
     head = OpenAIHead(id=f"chatcmpl-{base}", model=tm.model.served_model_name)
 
     def answer(results: list[ReqOutput]) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
+        choices = []
+        for out in results:
+            content: str | None = out.text
+            calls: list[ToolCall] = []
+            if tools.parser:
+                content, calls = parse_calls(tools.parser, out.text)
+            message = AssistantMessage(content=content, tool_calls=tool_calls_out(out.rid, calls))
+            choices.append(ChatChoice(
                 index=out.index,
-                message=AssistantMessage(content=out.text),
+                message=message,
                 logprobs=_logprobs(out, tm),
-                finish_reason=openai_finish_reason(out),
+                finish_reason=tool_finish_reason(out, calls),
                 matched_stop=matched_stop(out),
-            )
-            for out in results
-        ]
+            ))  # fmt: skip
         usage = usage_of(results, len(reqs))
         return ChatCompletionResponse(
             id=head.id, created=head.created, model=head.model, choices=choices, usage=usage
         )
 
     spec = openai_spec("chat", head, len(reqs), body)
+    spec.tool_parser = tools.parser or ""
     return await respond(tm, reqs, request, body, spec, answer)
+
+
+def _tools(body: ChatCompletionRequest, tm: TokenizerManager) -> ToolSetup:
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    template = getattr(tm.tok.tokenizer, "chat_template", None)
+    return setup_tools(
+        chat_messages(body), tools, body.tool_choice, body.parallel_tool_calls,
+        tm.settings.api.tool_call_parser, template if isinstance(template, str) else None,
+    )  # fmt: skip
+
+
+def _constrain(reqs: list[GenerateReq], tools: ToolSetup) -> None:
+    """The calls' grammar, unless response_format (or vLLM's guided_*) asks for another:
+    with tool_choice auto that one wins; a forced call cannot also follow it."""
+    if tools.grammar is None:
+        return
+    for req in reqs:
+        if req.sampling.grammar is not None:
+            if tools.forced:
+                raise BadRequest(
+                    "response_format cannot be combined with tool_choice required or a "
+                    "named tool.",
+                    param="response_format",
+                )
+            continue
+        req.sampling = msgspec.structs.replace(req.sampling, grammar=tools.grammar)
 
 
 def _logprobs(out: ReqOutput, tm: TokenizerManager) -> ChatLogprobs | None:

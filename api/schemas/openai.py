@@ -142,12 +142,31 @@ class ContentPart(BaseModel):
     text: SafeStr
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: SafeStr
+    arguments: SafeStr = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """An assistant's earlier call, in the history."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: SafeStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: OneOrList[ContentPart] | SafeStr | None = None
     name: SafeStr | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: SafeStr | None = None
 
     def template_dict(self) -> dict[str, Any]:
         """The message as a chat template expects it (text parts joined by newlines)."""
@@ -159,7 +178,27 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: SafeStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class ChatCompletionRequest(OpenAISamplingRequest):
@@ -171,12 +210,12 @@ class ChatCompletionRequest(OpenAISamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _supported_chat(self) -> Self:
-        reject_unsupported(self, {"tools": ([],), "tool_choice": ("none",)})
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message are exclusive")
         return self
@@ -248,9 +287,25 @@ class CompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 class ChatLogprobs(BaseModel):
@@ -283,6 +338,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatStreamChoice(BaseModel):

@@ -85,3 +85,49 @@ async def test_a_constraint_that_does_not_compile_is_a_400(
     assert resp.status_code == 400, resp.text
     assert needle in resp.json()["error"]["message"]
     assert await fake_redis.xlen(keys.request_stream) == 0
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
+         "Invalid structural_tag"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "Tool 'g' has not been passed in `tools`."),
+        ({"tool_choice": "required"}, "When using `tool_choice`, `tools` must be set."),
+        ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice must be"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "cannot be combined"),
+    ],
+)  # fmt: skip
+async def test_bad_tools_are_a_400(
+    client: httpx.AsyncClient, fake_redis: aioredis.Redis, keys: Keys, body: Any, needle: str
+) -> None:
+    resp = await client.post("/v1/chat/completions", json={"messages": MSG, **body})
+    assert resp.status_code == 400, resp.text
+    assert needle in resp.json()["error"]["message"]
+    assert await fake_redis.xlen(keys.request_stream) == 0
+
+
+async def test_tools_constrain_the_job_and_teach_a_template_without_tools(
+    client: httpx.AsyncClient, backend: FakeBackend, tokenizer: Any
+) -> None:
+    resp = await client.post("/v1/chat/completions", json={
+        "messages": MSG, "tools": [TOOL], "tool_choice": "required"})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    job = backend.jobs[-1]
+    assert job.sampling.grammar is not None and job.sampling.grammar.kind == "structural_tag"
+    tag = json.loads(job.sampling.grammar.text)["format"]
+    assert tag["type"] == "tags_with_separator" and tag["at_least_one"]
+    assert tag["tags"][0]["content"]["json_schema"] == SCHEMA
+    prompt = tokenizer.decode(job.input_ids)
+    assert "<tools>" in prompt and '"name": "f"' in prompt and "<tool_call>" in prompt
+    # The answer is not a call: it stays content, with finish_reason stop.
+    message = resp.json()["choices"][0]
+    assert message["message"]["content"] and message["finish_reason"] != "tool_calls"
