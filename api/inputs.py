@@ -243,11 +243,13 @@ def completion_reqs(body: CompletionRequest, api: ApiSettings) -> tuple[str, lis
     if not prompts:
         raise BadRequest("prompt must not be empty.", param="prompt")
     n = check_n(body.n, api)
-    _check_max_tokens(body.max_tokens, "max_tokens")
+    if not (body.echo and body.max_tokens == 0):  # echo scores a prompt with max_tokens 0
+        _check_max_tokens(body.max_tokens, "max_tokens")
     logprobs = None
     if body.logprobs is not None:
         top_n = check_top_logprobs(body.logprobs, api, "logprobs")
-        logprobs = protocol.LogprobRequest(top_n=top_n)
+        # echo: the prompt's logprobs too (all but its first token's)
+        logprobs = protocol.LogprobRequest(top_n=top_n, start_len=0 if body.echo else -1)
     base = body.rid or new_rid()
     reqs = fan_out([_openai_req(body, p, body.max_tokens, logprobs) for p in prompts], n)
     _openai_rids(reqs, base)

@@ -159,3 +159,36 @@ def chat_logprobs(out: ReqOutput, texts: TokenTexts, start: int) -> dict[str, An
         ]
         content.append(entry)
     return {"content": content}
+
+
+def echo_logprobs(out: ReqOutput, texts: TokenTexts) -> dict[str, Any]:
+    """OpenAI completion `logprobs` of an `echo` answer: the prompt's tokens (the first has
+    none: null, as in vLLM), then the output's; what lm-evaluation-harness scores."""
+    log = out.logprobs
+    assert log is not None
+    prompt = out.req.input_ids
+    n = len(prompt)
+    data = log.input or protocol.Logprobs()
+    values = align_end([finite(v) for v in data.token_logprobs], n, None)
+    top_ids = align_end(data.top_ids, n, [])
+    top_values = align_end(data.top_logprobs, n, [])
+    tokens = texts(prompt)
+    tops: list[dict[str, Value] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for i, token in enumerate(tokens):
+        offsets.append(offset)
+        offset += len(token)
+        if i == 0:
+            tops.append(None)
+            continue
+        top: dict[str, Value] = {token: values[i]}
+        top.update(zip(texts(top_ids[i]), [finite(v) for v in top_values[i]], strict=False))
+        tops.append(top)
+    rest, _ = completion_logprobs(out, texts, 0, offset)
+    return {
+        "tokens": tokens + rest["tokens"],
+        "token_logprobs": values + rest["token_logprobs"],
+        "top_logprobs": tops + rest["top_logprobs"],
+        "text_offset": offsets + rest["text_offset"],
+    }

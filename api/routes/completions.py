@@ -7,7 +7,7 @@ from fastapi import Request, Response
 
 from api.deps import TokenizerManagerDep
 from api.inputs import completion_reqs, matched_stop, openai_finish_reason
-from api.logprobs import completion_logprobs
+from api.logprobs import completion_logprobs, echo_logprobs
 from api.renderers import OpenAIHead, usage_of
 from api.req_state import ReqOutput
 from api.routes.common import make_router
@@ -36,8 +36,8 @@ async def create_completion(
         choices = [
             CompletionChoice(
                 index=out.index,
-                text=out.text,
-                logprobs=_logprobs(out, tm),
+                text=_echo(out, tm) + out.text if body.echo else out.text,
+                logprobs=_logprobs(out, tm, bool(body.echo)),
                 finish_reason=openai_finish_reason(out),
                 matched_stop=matched_stop(out),
             )
@@ -52,8 +52,16 @@ async def create_completion(
     return await respond(tm, reqs, request, body, spec, answer)
 
 
-def _logprobs(out: ReqOutput, tm: TokenizerManager) -> CompletionLogprobs | None:
+def _echo(out: ReqOutput, tm: TokenizerManager) -> str:
+    """The prompt as text (ids are decoded)."""
+    prompt = out.req.prompt
+    return prompt if isinstance(prompt, str) else str(tm.tok.tokenizer.decode(out.req.input_ids))
+
+
+def _logprobs(out: ReqOutput, tm: TokenizerManager, echo: bool) -> CompletionLogprobs | None:
     if out.logprobs is None:
         return None
+    if echo:
+        return CompletionLogprobs(**echo_logprobs(out, tm.tok.token_texts))
     body, _ = completion_logprobs(out, tm.tok.token_texts, 0, 0)
     return CompletionLogprobs(**body)

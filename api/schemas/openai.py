@@ -130,8 +130,9 @@ class CompletionRequest(OpenAISamplingRequest):
 
     @model_validator(mode="after")
     def _supported_completion(self) -> Self:
-        reject_unsupported(self, {"echo": (False,)})
         reject_present(self, ("suffix",))
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream yet")
         return self
 
 
@@ -250,7 +251,7 @@ class UsageInfo(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float | None]] | None
+    top_logprobs: list[dict[str, float | None] | None] | None
     text_offset: list[int]
 
 

@@ -122,7 +122,7 @@ class Scheduler:
         if seq.sampling.max_new_tokens < 0:
             return _bad_request("max_new_tokens must be at least 0.")
         done = seq.num_completion_tokens  # > 0 for a request resumed after its owner died
-        if done >= seq.sampling.max_new_tokens and not seq.embed:
+        if done >= seq.sampling.max_new_tokens and not seq.prefill_only:
             return FinishReason(type="length", length=seq.sampling.max_new_tokens)
         if done and len(seq) >= self.max_model_len:
             return FinishReason(type="length", length=done)
@@ -225,7 +225,7 @@ class Scheduler:
             self.block_manager.cache_blocks(seq, computed_before)
         finished = []
         for seq, token_id in zip(samplers, token_ids, strict=True):
-            if seq.embed:  # its prefill is its whole job: the runner set seq.embedding
+            if seq.prefill_only:  # the runner set seq.embedding or the prompt logprobs
                 self._finish(seq, EMBEDDED)
                 finished.append(seq)
                 continue

@@ -114,6 +114,14 @@ class Sequence:
         return self.num_new_tokens > 0 and self.num_new_tokens == self.num_uncomputed_tokens
 
     @property
+    def prefill_only(self) -> bool:
+        """Its prompt is its whole job: an embedding, or max_new_tokens 0 with prompt
+        logprobs (scoring a text, as `echo` with `max_tokens: 0` asks)."""
+        lp = self.logprobs
+        scores = lp is not None and lp.request.start_len >= 0
+        return self.embed or (self.sampling.max_new_tokens == 0 and scores)
+
+    @property
     def is_ready(self) -> bool:
         """Whether it may start: its grammar (if any) finished compiling."""
         return self.grammar is None or self.grammar.ready
