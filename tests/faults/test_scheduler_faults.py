@@ -108,6 +108,29 @@ def test_a_seeded_sampled_stream_resumes_at_the_same_generator_position(
     _restart_missing_schedulers(stack)
 
 
+def test_a_constrained_stream_resumes_with_its_grammar_where_it_stood(
+    stack: Fleet, tap: Tap
+) -> None:
+    schema = {"type": "object", "required": ["items"], "properties": {
+        "items": {"type": "array", "minItems": 4, "items": {"type": "string", "maxLength": 12}}}}
+    # Greedy: a sampled draw from the flat distributions a schema can force (free strings)
+    # may flip on the 1e-5 logit noise between a resume's prefill and the decode it replaces.
+    body = {"ignore_eos": False,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                       "schema": schema}}}
+    no_fault = no_fault_text(stack.url(), completion(PROMPT, NUM_TOKENS, **body))
+    rid = _rid()
+    stream, events = _stream_until(stack, rid, 5, **body)
+    stack.kill(stack.worker_of(rid))
+    events += list(stream)
+
+    # The new owner rebuilt the matcher from the ids so far: the same valid JSON.
+    assert text_of(events) == no_fault and no_fault.startswith('{"items": [')
+    assert stack.redis().hget(stack.keys.state(rid), "epoch") == "2"
+    assert_invariants(stack, tap)
+    _restart_missing_schedulers(stack)
+
+
 def test_with_no_scheduler_alive_jobs_wait_for_the_next_one(
     stack: Fleet, reference: str, tap: Tap
 ) -> None:

@@ -66,16 +66,17 @@ def constrained(
 ) -> Sequence:
     seq = Sequence(rid, prompt, sp)
     if sp.grammar is not None:
+        compiler.compile(sp.grammar).result(timeout=60)  # `drive` does not wait for it
         seq.grammar = compiler.constraint(sp.grammar, seq.output_ids)
     return seq
 
 
-def run(runner: TorchModelRunner, seqs: list[Sequence]) -> list[Sequence]:
+def run(runner: TorchModelRunner, seqs: list[Sequence], **config: Any) -> list[Sequence]:
     core = Scheduler(
-        SchedulerConfig(
-            num_kv_blocks=256, vocab_size=runner.vocab_size, max_model_len=2048,
-            eos_token_ids=frozenset({EOS}),
-        ),
+        SchedulerConfig(**{
+            "num_kv_blocks": 256, "vocab_size": runner.vocab_size, "max_model_len": 2048,
+            "eos_token_ids": frozenset({EOS}), **config,
+        }),
         decode_tail=lambda ids: "",
     )  # fmt: skip
     drive(core, seqs, runner.run)
@@ -143,6 +144,7 @@ def test_a_resumed_request_continues_its_grammar_where_it_stood(
     resumed = Sequence("resumed", prompt, sp)
     resumed.resume(whole[:7])
     resumed.grammar = compiler.constraint(sp.grammar, resumed.output_ids)  # type: ignore[arg-type]
+    assert resumed.is_ready  # compiled before, cached
     assert run(runner, [resumed])[0].output_ids == whole
 
 
@@ -160,14 +162,34 @@ def test_a_grammar_that_does_not_compile_is_refused_by_the_core(
     runner: TorchModelRunner, compiler: GrammarCompiler
 ) -> None:
     sp = SamplingParams(max_new_tokens=4, grammar=Grammar("regex", "[a-"))
-    seq = constrained(compiler, "bad", [1, 2, 3], sp)
+    seq = Sequence("bad", [1, 2, 3], sp)
+    seq.grammar = compiler.constraint(Grammar("regex", "[a-"), [])
     core = Scheduler(
         SchedulerConfig(num_kv_blocks=16, vocab_size=runner.vocab_size, max_model_len=64),
         decode_tail=lambda ids: "",
     )
     assert core.add(seq) is None
-    while not seq.is_ready:
-        assert core.schedule() == []  # held back while compiling
-    assert core.fail_grammars() == [seq]
+    failed: list[Sequence] = []
+    while not failed:
+        assert core.schedule() == []  # never started, compiling or failed
+        failed = core.fail_grammars()
+    assert failed == [seq]
     assert seq.finish is not None and seq.finish.status_code == 400
     assert "Unclosed" in str(seq.finish.message) and core.is_idle
+
+
+def test_chunked_prefill_and_preemption_keep_each_grammar_in_step(
+    tokenizer: Any, runner: TorchModelRunner, compiler: GrammarCompiler
+) -> None:
+    sp = SamplingParams(temperature=0, max_new_tokens=60,
+                        grammar=Grammar("json_schema", json.dumps(PERSON)))  # fmt: skip
+    prompts = [chat(tokenizer, f"Describe person number {i} as JSON.") for i in range(4)]
+
+    def outputs(**config: Any) -> list[list[int]]:
+        seqs = [constrained(compiler, f"p{i}", p, sp) for i, p in enumerate(prompts)]
+        return [s.output_ids for s in run(runner, seqs, **config)]
+
+    roomy = outputs()
+    # 8-token prompt chunks, and KV for about two of the four at once: preemptions.
+    squeezed = outputs(num_kv_blocks=12, max_num_batched_tokens=8)
+    assert squeezed == roomy

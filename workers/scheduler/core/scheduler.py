@@ -312,7 +312,7 @@ class Scheduler:
     @property
     def num_compiling(self) -> int:
         """Waiting sequences held back until their grammar compiled."""
-        return sum(not seq.is_ready for seq in self.waiting)
+        return sum(seq.grammar is not None and not seq.grammar.ready for seq in self.waiting)
 
     def _drop(self, seq: Sequence, reason: FinishReason) -> None:
         queue = self.waiting if seq.status == SequenceStatus.WAITING else self.running

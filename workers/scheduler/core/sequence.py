@@ -123,8 +123,9 @@ class Sequence:
 
     @property
     def is_ready(self) -> bool:
-        """Whether it may start: its grammar (if any) finished compiling."""
-        return self.grammar is None or self.grammar.ready
+        """Whether it may start: its grammar (if any) compiled (one that failed never
+        starts: Scheduler.fail_grammars ends it)."""
+        return self.grammar is None or (self.grammar.ready and self.grammar.failure is None)
 
     @property
     def is_finished(self) -> bool:
