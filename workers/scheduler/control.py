@@ -1,6 +1,7 @@
 """What the fleet's control plane asks of one scheduler, as it last heard: pause, a prefix
 cache flush, the target weights. Pure (no Redis, no torch): the loop feeds it broadcasts
-(`on_message`) and the state it reads with its heartbeats (`sync`), then asks it what to do.
+(`on_message`, or `drain` of its subscription) and the state it reads with its heartbeats
+(`sync`), then asks it what to do.
 
 Weights: the scheduler serves `loaded`; when the fleet's target (or, with none, the
 weights it started with) differs and has not failed here before, it must update: with
@@ -9,8 +10,15 @@ mode `all` at once, with `rolling` only while it holds the fleet's one turn.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
+import msgspec
+
 from shared import protocol
 from shared.fleet_control import ControlState, Weights, target_of
+
+logger = logging.getLogger(__name__)
 
 
 class FleetControl:
@@ -64,3 +72,22 @@ class FleetControl:
     def take_flush(self) -> bool:
         flush, self.flush_requested = self.flush_requested, False
         return flush
+
+    async def drain(self, pubsub: Any) -> set[str]:
+        """Take every control message waiting on `pubsub` (redis PubSub): aborts are
+        returned (the loop applies them), the rest change this state."""
+        rids: set[str] = set()
+        # (Not ignore_subscribe_messages: it turns a subscribe reply into None, ending the drain.)
+        while msg := await pubsub.get_message(timeout=0):
+            if msg["type"] != "message":
+                continue
+            try:
+                ctl = protocol.decode(msg["data"], protocol.ControlMessage)
+            except (msgspec.DecodeError, protocol.ProtocolVersionError) as e:
+                logger.warning("ignoring undecodable control message: %s", e)
+                continue
+            if isinstance(ctl, protocol.AbortRequests):
+                rids.update(ctl.rids)
+            else:
+                self.on_message(ctl)
+        return rids

@@ -18,7 +18,6 @@ import logging
 import time
 from typing import Protocol
 
-import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
@@ -42,7 +41,6 @@ COMPILE_POLL_S = 0.002  # nothing to do but wait for a grammar to compile
 NO_GRAMMARS = protocol.FinishReason(
     type="abort", message="This scheduler cannot constrain output.", status_code=400
 )
-STATS_EVERY_S = 10.0
 
 # Redis replies that mean "not now" (full, loading, restarted without our group), not a bug.
 _TRANSIENT_REPLIES = ("OOM", "LOADING", "NOGROUP", "MISCONF", "READONLY", "MASTERDOWN")
@@ -93,7 +91,6 @@ class SchedulerLoop:
         self._last_heartbeat = 0.0
         self._last_reclaim = float("-inf")
         self._reclaim_cursors: request_stream.Cursors = {}
-        self._stats = (time.monotonic(), 0)  # since, tokens generated
         self._stopping = False
         self._drain_until: float | None = None
 
@@ -197,7 +194,9 @@ class SchedulerLoop:
             if self.core.postprocess(seqs, token_ids):
                 self._batch_changed = True
             self._outbox.update((seq.rid, seq) for seq in samplers)
-            self._log_stats(len(samplers))
+            bm = self.core.block_manager
+            self.metrics.log_progress(len(self.core.running), len(self.core.waiting),
+                                      bm.num_free_blocks, bm.num_total_blocks)  # fmt: skip
         return seqs
 
 
@@ -223,21 +222,7 @@ class SchedulerLoop:
     # -- aborts ----------------------------------------------------------------------------
     async def _drain_control(self) -> set[str]:
         assert self._pubsub is not None
-        rids: set[str] = set()
-        # (Not ignore_subscribe_messages: it turns a subscribe reply into None, ending the drain.)
-        while msg := await self._pubsub.get_message(timeout=0):
-            if msg["type"] != "message":
-                continue
-            try:
-                ctl = protocol.decode(msg["data"], protocol.ControlMessage)
-            except (msgspec.DecodeError, protocol.ProtocolVersionError) as e:
-                logger.warning("ignoring undecodable control message: %s", e)
-                continue
-            if isinstance(ctl, protocol.AbortRequests):
-                rids.update(ctl.rids)
-            else:
-                self.control.on_message(ctl)
-        return rids
+        return await self.control.drain(self._pubsub)
 
     def _apply_aborts(self) -> None:
         if not self._abort_rids:
@@ -363,7 +348,8 @@ class SchedulerLoop:
         renew_at = control_at = -1
         renewed: list[list[bytes]] = []
         if heartbeat_due:
-            self._queue_heartbeat(pipe)
+            beat = self.steering.beat(self._stopping, self.metrics.gen_throughput())
+            heartbeat.beat(pipe, self.keys, self.worker_id, beat)
             renew_at = len(pipe)
             renewed = ownership.renew(pipe, self.keys, self.worker_id, self._owned_entry_ids())
             control_at = self.steering.queue(pipe, self.keys, self.worker_id)
@@ -388,20 +374,6 @@ class SchedulerLoop:
                 pipe.publish(channel, payload)
             await pipe.execute()
 
-    def _queue_heartbeat(self, pipe: aioredis.client.Pipeline) -> None:
-        bm, loaded = self.core.block_manager, self.control.loaded
-        beat = heartbeat.SchedulerBeat(
-            num_running=len(self.core.running),
-            num_waiting=len(self.core.waiting),
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_total_blocks,
-            state=self.steering.state(self._stopping),
-            model_path=loaded.model_path,
-            weight_version=loaded.weight_version,
-            gen_throughput=self.metrics.gen_throughput(),
-        )
-        heartbeat.beat(pipe, self.keys, self.worker_id, beat)
-
     def _committed(self, sent: list[Sequence], stale: set[int], lost: set[bytes]) -> None:
         """After a step's transaction: advance what was published; drop the requests that
         another scheduler owns now (stale epoch, or their entry taken over)."""
@@ -421,21 +393,3 @@ class SchedulerLoop:
             self.core.abort(gone)
         self._outbox.clear()
         self._to_ack.clear()
-
-    def _log_stats(self, num_tokens: int) -> None:
-        since, count = self._stats
-        count += num_tokens
-        now = time.monotonic()
-        if now - since < STATS_EVERY_S:
-            self._stats = (since, count)
-            return
-        bm = self.core.block_manager
-        logger.info(
-            "%.1f tok/s; running=%d waiting=%d free_blocks=%d/%d",
-            count / (now - since),
-            len(self.core.running),
-            len(self.core.waiting),
-            bm.num_free_blocks,
-            bm.num_total_blocks,
-        )
-        self._stats = (now, 0)

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "redserve:"
 # gen_throughput counts the tokens sampled in this many seconds before it is read.
 THROUGHPUT_WINDOW_S = 10.0
+PROGRESS_EVERY_S = 10.0  # a log line of throughput and batch
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -42,6 +43,7 @@ class SchedulerMetrics:
         self.window_s = window_s
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic time, tokens sampled)
         self._recent_sum = 0
+        self._last_progress = time.monotonic()
 
     def observe_step(
         self, seconds: float, batch_size: int, num_sampled: int, now: float | None = None
@@ -60,6 +62,16 @@ class SchedulerMetrics:
         """Tokens sampled per second over the last `window_s`."""
         self._prune(time.monotonic() if now is None else now)
         return self._recent_sum / self.window_s
+
+    def log_progress(self, running: int, waiting: int, free_blocks: int, total_blocks: int) -> None:
+        """Every PROGRESS_EVERY_S, one log line: throughput, the queues, the free KV blocks."""
+        now = time.monotonic()
+        if now - self._last_progress < PROGRESS_EVERY_S:
+            return
+        self._last_progress = now
+        throughput = self.gen_throughput(now)
+        logger.info("%.1f tok/s; running=%d waiting=%d free_blocks=%d/%d",
+                    throughput, running, waiting, free_blocks, total_blocks)  # fmt: skip
 
     def _prune(self, now: float) -> None:
         while self._recent and self._recent[0][0] <= now - self.window_s:

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from shared import fleet_control, protocol
+from shared import fleet_control, heartbeat, protocol
 from shared.config import Settings
 from shared.fleet_control import STARTED_VERSION, Weights
 from workers.scheduler.control import FleetControl
@@ -48,6 +48,20 @@ class Steering:
     @property
     def may_step(self) -> bool:
         return self.paused is None and not self.updater.loading
+
+    def beat(self, stopping: bool, gen_throughput: float) -> heartbeat.SchedulerBeat:
+        """This scheduler as its heartbeat describes it: batch, KV, state, weights."""
+        bm, loaded = self.core.block_manager, self.control.loaded
+        return heartbeat.SchedulerBeat(
+            num_running=len(self.core.running),
+            num_waiting=len(self.core.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_total_blocks,
+            state=self.state(stopping),
+            model_path=loaded.model_path,
+            weight_version=loaded.weight_version,
+            gen_throughput=gen_throughput,
+        )
 
     def state(self, stopping: bool) -> str:
         """What the heartbeat says this scheduler is doing."""
