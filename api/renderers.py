@@ -22,6 +22,7 @@ from api.errors import error_body
 from api.inputs import openai_finish_reason, tool_calls_out, tool_finish_reason
 from api.logprob_log import LogprobLog
 from api.logprobs import chat_logprobs, completion_logprobs, sglang_logprobs
+from api.reasoning import ReasoningStream
 from api.req_state import ReqOutput, ReqState
 from api.schemas.openai import (
     ChatCompletionChunk,
@@ -35,7 +36,7 @@ from api.schemas.openai import (
     UsageInfo,
 )
 from api.stream_spec import StreamSpec
-from api.tools import ToolStream
+from api.tools import ToolCall, ToolStream
 
 TokenTexts = Callable[[Sequence[int]], list[str]]
 
@@ -307,7 +308,9 @@ class ChatRenderer(OpenAIRenderer):
 
     def __init__(self, spec: StreamSpec, texts: TokenTexts) -> None:
         super().__init__(spec, texts)
-        self.tool_streams: dict[int, ToolStream] = {}  # per choice, when tools are on
+        # Per choice, when tools or a reasoning parser are on.
+        self.tool_streams: dict[int, ToolStream] = {}
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def opening(self) -> list[Event]:
         """Each choice of a stream opens with the assistant role."""
@@ -321,8 +324,8 @@ class ChatRenderer(OpenAIRenderer):
         logprobs = None
         if out.logprobs is not None:
             logprobs = ChatLogprobs(**chat_logprobs(out, self.texts, out.start))
-        if self.spec.tool_parser:
-            return self._tool_choice(out, logprobs)
+        if self.spec.tool_parser or self.spec.reasoning_parser:
+            return self._parsed_choice(out, logprobs)
         return ChatStreamChoice(
             index=out.index,
             delta=DeltaMessage(content=out.delta) if out.delta else DeltaMessage(),
@@ -330,17 +333,26 @@ class ChatRenderer(OpenAIRenderer):
             finish_reason=openai_finish_reason(out),
         )
 
-    def _tool_choice(self, out: ReqOutput, logprobs: ChatLogprobs | None) -> ChatStreamChoice:
-        """Text until a call may begin; the calls in one delta when the choice finishes.
-        (A stream re-attached on another replica mid-call shows that call as text.)"""
-        stream = self.tool_streams.setdefault(out.index, ToolStream(self.spec.tool_parser))
-        content = stream.feed(out.delta, out.finished)
-        calls = stream.calls if out.finished else []
+    def _parsed_choice(self, out: ReqOutput, logprobs: ChatLogprobs | None) -> ChatStreamChoice:
+        """Thinking as reasoning_content deltas; then text until a call may begin, and the
+        calls in one delta when the choice finishes. (A stream re-attached on another
+        replica mid-call shows that call as text.)"""
+        spec, reasoning, content = self.spec, "", out.delta
+        if spec.reasoning_parser:
+            thinking = self.reasoning_streams.setdefault(
+                out.index, ReasoningStream(spec.reasoning_parser))
+            reasoning, content = thinking.feed(content, out.finished)
+        calls: list[ToolCall] = []
+        if spec.tool_parser:
+            stream = self.tool_streams.setdefault(out.index, ToolStream(spec.tool_parser))
+            content = stream.feed(content, out.finished)
+            calls = stream.calls if out.finished else []
         deltas = [
             ToolCallDelta(index=i, **call.model_dump())
             for i, call in enumerate(tool_calls_out(out.rid, calls) or [])
         ]
-        delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+        delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                             tool_calls=deltas or None)  # fmt: skip
         return ChatStreamChoice(index=out.index, delta=delta, logprobs=logprobs,
                                 finish_reason=tool_finish_reason(out, calls))  # fmt: skip
 

@@ -42,6 +42,7 @@ class StreamSpec(msgspec.Struct, omit_defaults=True):
     include_usage: bool = False
     continuous_usage: bool = False
     tool_parser: str = ""  # chat with tools: how calls are parsed out of the text
+    reasoning_parser: str = ""  # chat from a thinking model: how its thinking is split out
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()

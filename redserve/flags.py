@@ -95,6 +95,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--tool-call-parser", "api.tool_call_parser", "how the model writes tool calls",
          choices=("hermes", "llama3")),  # fmt: skip
+    Flag("--reasoning-parser", "api.reasoning_parser", "<think> blocks go to reasoning_content",
+         choices=("", "qwen3", "deepseek-r1")),  # fmt: skip
     Flag(
         "--max-queued-requests",
         "api.max_queued_requests",

@@ -76,6 +76,10 @@ class ApiSettings(_Checked):
     # How a model writes tool calls (SGLang's --tool-call-parser): `hermes` (<tool_call>
     # JSON </tool_call>, also what a chat template without tools is taught) or `llama3`.
     tool_call_parser: Literal["hermes", "llama3"] = "hermes"
+    # Thinking models (SGLang's --reasoning-parser): <think>...</think> goes to the answer's
+    # `reasoning_content` (`qwen3`: an optional block; `deepseek-r1`: the output starts in
+    # one). "" = off.
+    reasoning_parser: Literal["", "qwen3", "deepseek-r1"] = ""
     # POST /update_weights_from_disk waits this long for every scheduler's result, then
     # answers success false naming who did not answer (and the fleet goes back).
     update_weights_timeout_s: float = Field(default=600.0, gt=0)

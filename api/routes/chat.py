@@ -17,6 +17,7 @@ from api.inputs import (
     tool_finish_reason,
 )
 from api.logprobs import chat_logprobs
+from api.reasoning import split_reasoning
 from api.renderers import OpenAIHead, usage_of
 from api.req_state import GenerateReq, ReqOutput
 from api.routes.common import make_router
@@ -51,15 +52,20 @@ async def create_chat_completion(
     base, reqs = chat_reqs(body, input_ids, tm.settings.api)
     _constrain(reqs, tools)
     head = OpenAIHead(id=f"chatcmpl-{base}", model=tm.model.served_model_name)
+    thinking = tm.settings.api.reasoning_parser if body.separate_reasoning else ""
 
     def answer(results: list[ReqOutput]) -> ChatCompletionResponse:
         choices = []
         for out in results:
+            reasoning: str | None = None
             content: str | None = out.text
+            if thinking:
+                reasoning, content = split_reasoning(thinking, out.text)
             calls: list[ToolCall] = []
             if tools.parser:
-                content, calls = parse_calls(tools.parser, out.text)
-            message = AssistantMessage(content=content, tool_calls=tool_calls_out(out.rid, calls))
+                content, calls = parse_calls(tools.parser, content or "")
+            message = AssistantMessage(content=content, reasoning_content=reasoning,
+                                       tool_calls=tool_calls_out(out.rid, calls))  # fmt: skip
             choices.append(ChatChoice(
                 index=out.index,
                 message=message,
@@ -73,7 +79,7 @@ async def create_chat_completion(
         )
 
     spec = openai_spec("chat", head, len(reqs), body)
-    spec.tool_parser = tools.parser or ""
+    spec.tool_parser, spec.reasoning_parser = tools.parser or "", thinking
     return await respond(tm, reqs, request, body, spec, answer)
 
 

@@ -211,6 +211,8 @@ class ChatCompletionRequest(OpenAISamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # SGLang's: with a --reasoning-parser, put the thinking in reasoning_content.
+    separate_reasoning: bool = True
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -288,6 +290,10 @@ class CompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str
@@ -306,6 +312,7 @@ class ToolCallDelta(ToolCallOut):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
     tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
@@ -330,15 +337,12 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-def _is_none(value: Any) -> bool:
-    return value is None
-
-
 class DeltaMessage(BaseModel):
     """A chat stream delta: unset parts are left out ({"content": "x"}, {} at the end)."""
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
     tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_is_none)
 
 
