@@ -11,11 +11,12 @@ from api.routes import (
     native,
     ops,
     requests,
+    responses,
     utility,
     weights,
 )
 
 router = APIRouter()
-for module in (native, completions, chat, embeddings, models, utility, requests, control, ops,
-               weights):  # fmt: skip
+for module in (native, completions, chat, responses, embeddings, models, utility, requests,
+               control, ops, weights):  # fmt: skip
     router.include_router(module.router)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 from fastapi import Request, Response
 
@@ -44,26 +46,14 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, tm: TokenizerManagerDep
 ) -> Response:
     """Answer a conversation; the prompt is the chat template with a generation prompt."""
-    tools = _tools(body, tm)
-    kwargs = chat_template_kwargs(body)
-    if tools.tools:
-        kwargs["tools"] = tools.tools
-    input_ids = await tm.render_chat(tools.messages, **kwargs)
-    base, reqs = chat_reqs(body, input_ids, tm.settings.api)
-    _constrain(reqs, tools)
-    head = OpenAIHead(id=f"chatcmpl-{base}", model=tm.model.served_model_name)
-    thinking = tm.settings.api.reasoning_parser if body.separate_reasoning else ""
+    chat = await prepare_chat(body, tm)
+    reqs, tools = chat.reqs, chat.tools
+    head = OpenAIHead(id=f"chatcmpl-{chat.base}", model=tm.model.served_model_name)
 
     def answer(results: list[ReqOutput]) -> ChatCompletionResponse:
         choices = []
         for out in results:
-            reasoning: str | None = None
-            content: str | None = out.text
-            if thinking:
-                reasoning, content = split_reasoning(thinking, out.text)
-            calls: list[ToolCall] = []
-            if tools.parser:
-                content, calls = parse_calls(tools.parser, content or "")
+            reasoning, content, calls = chat.parse(out)
             message = AssistantMessage(content=content, reasoning_content=reasoning,
                                        tool_calls=tool_calls_out(out.rid, calls))  # fmt: skip
             choices.append(ChatChoice(
@@ -79,8 +69,43 @@ async def create_chat_completion(
         )
 
     spec = openai_spec("chat", head, len(reqs), body)
-    spec.tool_parser, spec.reasoning_parser = tools.parser or "", thinking
+    spec.tool_parser, spec.reasoning_parser = tools.parser or "", chat.thinking
     return await respond(tm, reqs, request, body, spec, answer)
+
+
+@dataclass
+class PreparedChat:
+    """A chat request tokenized and constrained, and how its outputs are read."""
+
+    reqs: list[GenerateReq]
+    base: str  # the rid the response id is made of
+    tools: ToolSetup
+    thinking: str  # the reasoning parser, "" when off
+
+    def parse(self, out: ReqOutput) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, tool calls) of a finished output."""
+        reasoning: str | None = None
+        content: str | None = out.text
+        if self.thinking:
+            reasoning, content = split_reasoning(self.thinking, out.text)
+        calls: list[ToolCall] = []
+        if self.tools.parser:
+            content, calls = parse_calls(self.tools.parser, content or "")
+        return reasoning, content, calls
+
+
+async def prepare_chat(body: ChatCompletionRequest, tm: TokenizerManager) -> PreparedChat:
+    """Tools and history into the prompt through the chat template, the requests built and
+    constrained (shared by /v1/chat/completions and /v1/responses)."""
+    tools = _tools(body, tm)
+    kwargs = chat_template_kwargs(body)
+    if tools.tools:
+        kwargs["tools"] = tools.tools
+    input_ids = await tm.render_chat(tools.messages, **kwargs)
+    base, reqs = chat_reqs(body, input_ids, tm.settings.api)
+    _constrain(reqs, tools)
+    thinking = tm.settings.api.reasoning_parser if body.separate_reasoning else ""
+    return PreparedChat(reqs, base, tools, thinking)
 
 
 def _tools(body: ChatCompletionRequest, tm: TokenizerManager) -> ToolSetup:
