@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from workers.scheduler.engine.outputs import (
 )
 from workers.scheduler.engine.reload import reload_runner
 from workers.scheduler.engine.sampler import process_logits, sample
-from workers.scheduler.grammar.masks import apply_grammars
+from workers.scheduler.grammar.masks import GrammarMasks, Masks, apply_masks
 from workers.scheduler.layers.attention_tuning import (
     PREFILL_TOKENS,
     AttentionChoice,
@@ -78,6 +79,7 @@ class TorchModelRunner:
         self.block_size = block_size
         # Masked until min_new_tokens (the scheduler's finish check has the same ids).
         self.eos_token_ids: frozenset[int] = frozenset()
+        self.grammar_masks = GrammarMasks()  # structured output's masks, filled per step
         self.num_kv_blocks = num_kv_blocks
         self.padding_block = num_kv_blocks
         self.cache_blocks = num_kv_blocks + 1  # the padding block last
@@ -221,8 +223,10 @@ class TorchModelRunner:
     def run(self, seqs: list[Sequence]) -> list[int]:
         """The next token of each of `seqs` that reaches its last token in this step
         (`seq.will_sample`), in order; logprobs and embeddings land on the sequences."""
+        samplers = [seq for seq in seqs if seq.will_sample]
+        masks = self.grammar_masks.start(samplers, self.vocab_size)  # filled during forward
         hidden, batch = self.forward(seqs)
-        return self._outputs(seqs, hidden, batch)
+        return self._outputs(seqs, hidden, batch, masks)
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionBatch]:
@@ -247,7 +251,11 @@ class TorchModelRunner:
         return self.model(input_ids, batch, self.kv_cache), batch
 
     def _outputs(
-        self, seqs: list[Sequence], hidden: torch.Tensor, batch: AttentionBatch
+        self,
+        seqs: list[Sequence],
+        hidden: torch.Tensor,
+        batch: AttentionBatch,
+        masks: Future[Masks | None] | None = None,
     ) -> list[int]:
         """Prompt logprobs and embeddings of the step's positions, then one token per
         sequence sampled from its last position, with its logprobs (see outputs.py)."""
@@ -261,7 +269,7 @@ class TorchModelRunner:
         samplers = [seqs[i] for i in rows]
         logits = self.model.compute_logits(hidden[batch.last_index[rows]])
         logits = process_logits(logits, samplers, self.eos_token_ids)
-        apply_grammars(logits, samplers)
+        apply_masks(logits, masks)
         token_ids = sample(logits, samplers)
         record_output_logprobs(logits, samplers, token_ids)
         return token_ids

@@ -2,14 +2,20 @@
 bitmask for the batch, filled by one xgrammar call over all the batch's matchers, applied in
 place before sampling (greedy and sampled rows alike).
 
+The fill runs on a worker thread while the model computes the step (`start` before the
+forward, `apply` after it): the matchers only change in postprocess, after the step, and
+xgrammar releases the GIL. A grammar with bounded repetitions (a string's maxLength) makes
+the fill cost milliseconds per row, which this hides behind the forward where cores allow.
+
 A row where nothing is left (its grammar allows only eos while `min_new_tokens` still
 forbids it) takes the grammar's tokens: the output must stay valid.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -19,30 +25,54 @@ class ConstrainedRow(Protocol):
     grammar: Any  # grammar.constraint.Constraint or None
 
 
-@functools.cache
-def _batch_matcher() -> Any:
-    import xgrammar as xgr
+@dataclass
+class Masks:
+    bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32, the constrained rows filled
+    which: list[int]  # the constrained rows
 
-    return xgr.BatchGrammarMatcher(max_threads=1)
+
+class GrammarMasks:
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._matcher: Any = None
+
+    def start(self, rows: Sequence[ConstrainedRow], vocab: int) -> Future[Masks | None] | None:
+        """Begin filling the masks of `rows` (the step's sampling rows, in order); None when
+        none is constrained."""
+        which = [
+            i for i, row in enumerate(rows)
+            if row.grammar is not None and not row.grammar.matcher().is_terminated()
+        ]  # fmt: skip
+        if not which:
+            return None
+        if self._pool is None:
+            import xgrammar as xgr
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+            self._matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        matchers = [rows[i].grammar.matcher() for i in which]
+        return self._pool.submit(self._fill, matchers, which, len(rows), vocab)
+
+    def _fill(self, matchers: list[Any], which: list[int], num_rows: int, vocab: int) -> Masks:
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(num_rows, vocab)
+        self._matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=which)
+        return Masks(bitmask, which)
 
 
-def apply_grammars(logits: torch.Tensor, rows: Sequence[ConstrainedRow]) -> None:
-    """Mask `logits` [B, vocab] in place, row i by rows[i]'s grammar (if it has one)."""
-    which = [
-        i for i, row in enumerate(rows)
-        if row.grammar is not None and not row.grammar.matcher().is_terminated()
-    ]  # fmt: skip
-    if not which:
+def apply_masks(logits: torch.Tensor, pending: Future[Masks | None] | None) -> None:
+    """Mask `logits` [rows, vocab] in place with the masks `GrammarMasks.start` filled."""
+    masks = pending.result() if pending is not None else None
+    if masks is None:
         return
     import xgrammar as xgr
 
     vocab = logits.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
-    matchers = [rows[i].grammar.matcher() for i in which]
-    _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=which)
-    bitmask = bitmask.to(logits.device)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=which)
-    stuck = [i for i in which if torch.isneginf(logits[i]).all()]
+    bitmask = masks.bitmask.to(logits.device)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=masks.which)
+    dead = torch.isneginf(logits[masks.which]).all(dim=-1).nonzero().squeeze(1).tolist()
+    stuck = [masks.which[i] for i in dead]
     if stuck:  # only what the grammar allows, equally likely (see the module docstring)
         logits[stuck] = 0.0
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=stuck)
