@@ -9,6 +9,7 @@ object. xgrammar (and torch, which it imports) is imported on first use only.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import TYPE_CHECKING
 
@@ -39,9 +40,27 @@ def to_xgrammar(spec: Grammar) -> xgrammar.Grammar:
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "ebnf":
             return xgr.Grammar.from_ebnf(spec.text)
-        return xgr.Grammar.from_structural_tag(spec.text)
+        return xgr.Grammar.from_structural_tag(_current_tag(spec.text))
     except (RuntimeError, ValueError, TypeError) as e:
         raise InvalidGrammar(_clean(str(e))) from None
+
+
+def _current_tag(text: str) -> str:
+    """SGLang's and vLLM's structural tag (`structures` + `triggers`, each structure a
+    begin, a JSON schema and an end) in xgrammar's current form; any other text as it is."""
+    try:
+        tag = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(tag, dict) or "structures" not in tag or "format" in tag:
+        return text
+    tags = [
+        {"type": "tag", "begin": s.get("begin", ""), "end": s.get("end", ""),
+         "content": {"type": "json_schema", "json_schema": s.get("schema", {})}}
+        for s in tag["structures"] if isinstance(s, dict)
+    ]  # fmt: skip
+    fmt = {"type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags}
+    return json.dumps({"type": "structural_tag", "format": fmt})
 
 
 def _clean(message: str) -> str:

@@ -131,3 +131,15 @@ async def test_tools_constrain_the_job_and_teach_a_template_without_tools(
     # The answer is not a call: it stays content, with finish_reason stop.
     message = resp.json()["choices"][0]
     assert message["message"]["content"] and message["finish_reason"] != "tool_calls"
+
+
+async def test_sglang_s_structural_tag_in_response_format_is_taken(
+    client: httpx.AsyncClient, backend: FakeBackend
+) -> None:
+    fmt = {"type": "structural_tag", "triggers": ["<function="],
+           "structures": [{"begin": "<function=f>", "schema": SCHEMA, "end": "</function>"}]}
+    resp = await client.post("/v1/chat/completions", json={"messages": MSG, "response_format": fmt})
+    assert resp.status_code == 200, resp.text
+    grammar = backend.jobs[-1].sampling.grammar
+    assert grammar is not None and grammar.kind == "structural_tag"
+    assert json.loads(grammar.text)["structures"][0]["schema"] == SCHEMA
