@@ -109,7 +109,9 @@ class OpenAISamplingRequest(SamplingFields):
     @property
     def grammar_sent(self) -> Grammar | None:
         so = self.structured_outputs or StructuredOutputs()
-        choice = so.choice or self.guided_choice
+        choice = so.choice if so.choice is not None else self.guided_choice
+        if choice is not None and not choice:
+            raise BadRequest("guided_choice must list at least one choice.", param="guided_choice")
         vllm = one_grammar(
             {"json_schema": so.json_ or self.guided_json,
              "regex": so.regex or self.guided_regex or (choice and choice_regex(choice)),

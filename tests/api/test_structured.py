@@ -75,6 +75,7 @@ async def test_each_api_s_names_become_the_job_s_grammar(
         ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"},
                              "guided_regex": "a"}, "Only one of"),
         ("/v1/completions", {"prompt": "hi", "guided_grammar": "root ::= ("}, "Invalid ebnf"),
+        ("/v1/completions", {"prompt": "hi", "guided_choice": []}, "at least one choice"),
     ],
 )  # fmt: skip
 async def test_a_constraint_that_does_not_compile_is_a_400(
