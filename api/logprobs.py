@@ -192,3 +192,9 @@ def echo_logprobs(out: ReqOutput, texts: TokenTexts) -> dict[str, Any]:
         "top_logprobs": tops + rest["top_logprobs"],
         "text_offset": offsets + rest["text_offset"],
     }
+
+
+def echo_text(out: ReqOutput, texts: TokenTexts) -> str:
+    """The prompt an `echo` answer starts with: as sent, or its ids' texts joined."""
+    prompt = out.req.prompt
+    return prompt if isinstance(prompt, str) else "".join(texts(out.req.input_ids))

@@ -21,7 +21,13 @@ from api import sse
 from api.errors import error_body
 from api.inputs import openai_finish_reason, tool_calls_out, tool_finish_reason
 from api.logprob_log import LogprobLog
-from api.logprobs import chat_logprobs, completion_logprobs, sglang_logprobs
+from api.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    echo_text,
+    sglang_logprobs,
+)
 from api.reasoning import ReasoningStream
 from api.req_state import ReqOutput, ReqState
 from api.schemas.openai import (
@@ -284,14 +290,21 @@ class CompletionRenderer(OpenAIRenderer):
         self.offsets: dict[int, int] = {}  # per choice: text offset of its next token
 
     def choice(self, out: ReqOutput) -> CompletionStreamChoice:
+        echo = self.spec.echo and out.first  # the prompt leads the choice's first chunk
         logprobs = None
-        if out.logprobs is not None:
+        if out.logprobs is not None and echo:
+            body = echo_logprobs(out, self.texts)
+            ends = [o + len(t) for o, t in zip(body["text_offset"], body["tokens"], strict=True)]
+            self.offsets[out.index] = ends[-1] if ends else 0
+            logprobs = CompletionLogprobs(**body)
+        elif out.logprobs is not None:
             body, self.offsets[out.index] = completion_logprobs(
                 out, self.texts, out.start, self.offsets.get(out.index, 0)
             )
             logprobs = CompletionLogprobs(**body)
+        text = echo_text(out, self.texts) + out.delta if echo else out.delta
         return CompletionStreamChoice(
-            index=out.index, text=out.delta, logprobs=logprobs,
+            index=out.index, text=text, logprobs=logprobs,
             finish_reason=openai_finish_reason(out),
         )  # fmt: skip
 

@@ -43,6 +43,7 @@ class StreamSpec(msgspec.Struct, omit_defaults=True):
     continuous_usage: bool = False
     tool_parser: str = ""  # chat with tools: how calls are parsed out of the text
     reasoning_parser: str = ""  # chat from a thinking model: how its thinking is split out
+    echo: bool = False  # completions: the prompt leads each choice's first chunk
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()

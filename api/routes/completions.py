@@ -49,6 +49,7 @@ async def create_completion(
         )
 
     spec = openai_spec("completion", head, n, body)
+    spec.echo = bool(body.echo)
     return await respond(tm, reqs, request, body, spec, answer)
 
 

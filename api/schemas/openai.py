@@ -133,8 +133,6 @@ class CompletionRequest(OpenAISamplingRequest):
     @model_validator(mode="after")
     def _supported_completion(self) -> Self:
         reject_present(self, ("suffix",))
-        if self.echo and self.stream:
-            raise ValueError("echo is not supported with stream yet")
         return self
 
 

@@ -83,7 +83,6 @@ CASES: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**30}, "context"),
     ("/v1/completions", {"prompt": "hi", "n": 1000}, "n must be ≤ 16"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs must be in [0, 20]"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream"),
     ("/v1/completions", {"prompt": []}, "prompt"),

@@ -4,6 +4,7 @@ same model (fp32), with `max_tokens` 0 (prompt only) and 1."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -60,3 +61,15 @@ def test_echo_of_a_text_prompt_and_suffix_is_refused(stack: Stack) -> None:
     resp = httpx.post(stack.base_url + "/v1/completions",
                       json={"prompt": "x", "suffix": "y"}, timeout=30)  # fmt: skip
     assert resp.status_code == 400 and "suffix" in resp.json()["error"]["message"]
+
+
+def test_a_streamed_echo_starts_with_the_prompt(stack: Stack) -> None:
+    body = {"model": "default", "prompt": TEXT, "echo": True, "max_tokens": 3, "temperature": 0,
+            "stream": True, "logprobs": 1}  # fmt: skip
+    with httpx.stream("POST", stack.base_url + "/v1/completions", json=body, timeout=120) as resp:
+        chunks = [json.loads(line[6:])["choices"][0] for line in resp.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    assert chunks[0]["text"].startswith(TEXT)
+    assert chunks[0]["logprobs"]["token_logprobs"][0] is None
+    whole = _complete(stack, prompt=TEXT, echo=True, max_tokens=3, logprobs=1)
+    assert "".join(c["text"] for c in chunks) == whole["text"]
