@@ -73,7 +73,8 @@ async def open_stream(
         snapshot = await _guarded(reattach.take_over(tm.redis, tm.keys, target.spec.rids, old, new))
         if snapshot is not None:
             target.records = decode_records(snapshot)
-            pump, sent = _resume(tm, target, attach_id)
+            texts = await _guarded(_parsed_texts(tm, target))
+            pump, sent = _resume(tm, target, attach_id, texts)
             frames = [frame(i, data) for i, data in enumerate(sent) if i > after]
             return sse.response(sse_body(pump, request, frames, after))
     raise ServiceUnavailable("The stream is being re-attached elsewhere; try again.")
@@ -128,8 +129,25 @@ async def _replay(sent: list[bytes], after: int) -> AsyncIterator[bytes]:
             yield frame(i, data)
 
 
+async def _parsed_texts(tm: TokenizerManager, target: Target) -> dict[int, str]:
+    """A chat stream whose text goes through parsers (tool calls, reasoning): each live
+    member's text up to its last logged event, from the id log, so that the new renderer's
+    parsers hold what the old one held back (a call begun but not finished)."""
+    spec = target.spec
+    if spec.kind != "chat" or not (spec.tool_parser or spec.reasoning_parser):
+        return {}
+    marks = {r.mark.index: r.mark for r in target.records if r.mark is not None}
+    texts = {}
+    for index, mark in marks.items():
+        if not mark.done:
+            member = spec.members[index]
+            ids = (await request_state.output_ids(tm.redis, tm.keys, member.rid))[: mark.seq]
+            [texts[index]] = await tm.tok.decode_batch([ids], member.skip_special_tokens)
+    return texts
+
+
 def _resume(
-    tm: TokenizerManager, target: Target, attach_id: str
+    tm: TokenizerManager, target: Target, attach_id: str, texts: dict[int, str]
 ) -> tuple[ResponsePump, list[bytes]]:
     """Rebuild the renderer and the unfinished members' states from the log and go on;
     returns the new pump and the logged events as they were sent."""
@@ -138,6 +156,8 @@ def _resume(
     sent = renderer.expand(records)
     marks, data = _last_marks(records, sent)
     renderer.restore(marks)
+    for index, text in texts.items():
+        renderer.seed_text(index, text)
     states = [
         _seed(renderer, target, i, marks.get(i), data.get(i), attach_id)
         for i in range(len(spec.members))

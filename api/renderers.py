@@ -143,6 +143,9 @@ class Renderer:
     def seed(self, state: ReqState, data: bytes) -> None:
         """Seed a member's new state from its last logged event (`data`)."""
 
+    def seed_text(self, index: int, text: str) -> None:
+        """A member's text so far (chat parsers; api.reattach)."""
+
     def expand(self, records: Sequence[Logged]) -> list[bytes]:
         """Each logged event as it was sent."""
         return [r.data for r in records]
@@ -346,20 +349,30 @@ class ChatRenderer(OpenAIRenderer):
             finish_reason=openai_finish_reason(out),
         )
 
-    def _parsed_choice(self, out: ReqOutput, logprobs: ChatLogprobs | None) -> ChatStreamChoice:
-        """Thinking as reasoning_content deltas; then text until a call may begin, and the
-        calls in one delta when the choice finishes. (A stream re-attached on another
-        replica mid-call shows that call as text.)"""
-        spec, reasoning, content = self.spec, "", out.delta
+    def seed_text(self, index: int, text: str) -> None:
+        """After a takeover: the member's text up to its last logged event goes through its
+        parsers again, so they hold what the first replica held back (all the rest was
+        shown, and is not shown again)."""
+        self._parse(index, text, False)
+
+    def _parse(self, index: int, text: str, finished: bool) -> tuple[str, str, list[ToolCall]]:
+        """(reasoning, content) to show of new text, and the calls once finished."""
+        spec, reasoning, content = self.spec, "", text
         if spec.reasoning_parser:
             thinking = self.reasoning_streams.setdefault(
-                out.index, ReasoningStream(spec.reasoning_parser))
-            reasoning, content = thinking.feed(content, out.finished)
+                index, ReasoningStream(spec.reasoning_parser))
+            reasoning, content = thinking.feed(content, finished)
         calls: list[ToolCall] = []
         if spec.tool_parser:
-            stream = self.tool_streams.setdefault(out.index, ToolStream(spec.tool_parser))
-            content = stream.feed(content, out.finished)
-            calls = stream.calls if out.finished else []
+            stream = self.tool_streams.setdefault(index, ToolStream(spec.tool_parser))
+            content = stream.feed(content, finished)
+            calls = stream.calls if finished else []
+        return reasoning, content, calls
+
+    def _parsed_choice(self, out: ReqOutput, logprobs: ChatLogprobs | None) -> ChatStreamChoice:
+        """Thinking as reasoning_content deltas; then text until a call may begin, and the
+        calls in one delta when the choice finishes."""
+        reasoning, content, calls = self._parse(out.index, out.delta, out.finished)
         deltas = [
             ToolCallDelta(index=i, **call.model_dump())
             for i, call in enumerate(tool_calls_out(out.rid, calls) or [])

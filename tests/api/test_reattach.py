@@ -338,3 +338,35 @@ async def test_a_request_that_finished_unseen_is_rendered_from_its_durable_state
     assert text_of("chat", frames) == expected_text(tokenizer)
     usage = json.loads(frames[-2][1])["usage"]
     assert usage["completion_tokens"] == 9
+
+
+async def test_a_tool_call_begun_before_a_takeover_is_not_lost(
+    app: Any, other: Any, scripted: ScriptedBackend, tokenizer: Any
+) -> None:
+    """The first replica held a call back (half written); the replica that takes the stream
+    over rebuilds that from the id log and sends the whole call at the finish."""
+    scripted.ids = tokenizer.encode(
+        'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    tool = {"type": "function", "function": {"name": "f"}}
+    body = {"messages": CHAT, "tools": [tool], "max_tokens": 60, "rid": "tc", "stream": True}
+    first = SseClient(app).start("POST", "/v1/chat/completions", body)
+    await scripted.wait_job("tc")
+    for step in range(5):  # 10 tokens: inside the call
+        await scripted.step("tc")
+        seen = await first.wait_events(1 + step + 1)
+    await first.leave()
+    second = SseClient(other[0]).start(
+        "GET", "/v1/requests/tc/stream", headers={"Last-Event-ID": str(seen[-1][0])}
+    )
+    await wait_until(lambda: _reattached(scripted, "api-2"))
+    await scripted.finish("tc")
+    await second.finished()
+    deltas = [json.loads(d)["choices"][0] for _, d in seen + second.frames
+              if d != "[DONE]" and json.loads(d)["choices"]]  # fmt: skip
+    content = "".join(c["delta"].get("content") or "" for c in deltas)
+    calls = [call for c in deltas for call in c["delta"].get("tool_calls") or []]
+    assert content.strip() == "Sure."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"a": 1})
+    ]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
