@@ -193,3 +193,29 @@ def test_chunked_prefill_and_preemption_keep_each_grammar_in_step(
     # 8-token prompt chunks, and KV for about two of the four at once: preemptions.
     squeezed = outputs(num_kv_blocks=12, max_num_batched_tokens=8)
     assert squeezed == roomy
+
+
+def test_a_retracted_request_keeps_its_grammar_state(
+    tokenizer: Any, runner: TorchModelRunner, compiler: GrammarCompiler
+) -> None:
+    """Pause with mode retract mid-output (KV freed, back to the queue), then continue: the
+    same ids as a run that was never retracted."""
+    sp = SamplingParams(temperature=0, max_new_tokens=60,
+                        grammar=Grammar("json_schema", json.dumps(PERSON)))  # fmt: skip
+    prompt = chat(tokenizer, "Describe a person as JSON.")
+    whole = run(runner, [constrained(compiler, "whole", prompt, sp)])[0].output_ids
+    seq = constrained(compiler, "retracted", prompt, sp)
+    core = Scheduler(
+        SchedulerConfig(num_kv_blocks=256, vocab_size=runner.vocab_size, max_model_len=2048,
+                        eos_token_ids=frozenset({EOS})),
+        decode_tail=lambda ids: "",
+    )  # fmt: skip
+    assert core.add(seq) is None
+    while seq.num_completion_tokens < 12:
+        batch = core.schedule()
+        core.postprocess(batch, runner.run(batch))
+    assert core.retract_all() == 1 and seq.block_table == []
+    while not core.is_idle:  # continue: recomputed from its tokens, grammar untouched
+        batch = core.schedule()
+        core.postprocess(batch, runner.run(batch))
+    assert seq.output_ids == whole
