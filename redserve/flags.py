@@ -182,6 +182,9 @@ FLAGS: tuple[Flag, ...] = (
         metavar="FRACTION",
     ),
     Flag("--kv-cache-tokens", "scheduler.kv_cache_tokens", "cap on the KV cache; 0 = none", int),
+    Flag("--grammar-backend", "scheduler.grammar_backend",
+         "JSON schemas and regexes through xgrammar or llguidance",
+         choices=("xgrammar", "llguidance")),  # fmt: skip
     Flag("--max-num-seqs", "scheduler.max_num_seqs", "max requests in one batch", int),
     Flag(
         "--max-num-batched-tokens",

@@ -94,6 +94,9 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 class SchedulerSettings(_Checked):
     worker_id: str = Field(default_factory=_default_instance_id)
+    # Structured output: xgrammar for every grammar, or llguidance for JSON schemas and
+    # regexes (cheaper masks inside bounded strings; EBNF and tool calls stay on xgrammar).
+    grammar_backend: Literal["xgrammar", "llguidance"] = "xgrammar"
     device: str = "cpu"
     # "auto": bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32 (the exact
     # reference, matching HF fp32 greedy outputs token for token).

@@ -219,3 +219,34 @@ def test_a_retracted_request_keeps_its_grammar_state(
         batch = core.schedule()
         core.postprocess(batch, runner.run(batch))
     assert seq.output_ids == whole
+
+
+def test_llguidance_backend_outputs_validate_and_resume(
+    tokenizer: Any, runner: TorchModelRunner
+) -> None:
+    """--grammar-backend llguidance: JSON schemas and regexes through llguidance (EBNF stays
+    on xgrammar), in one batch; a resume continues exactly."""
+    compiler = GrammarCompiler(tokenizer, runner.vocab_size, backend="llguidance")
+    prompt = chat(tokenizer, "Describe a person as JSON.")
+    person = SamplingParams(temperature=0, max_new_tokens=120,
+                            grammar=Grammar("json_schema", json.dumps(PERSON)))  # fmt: skip
+    date = SamplingParams(temperature=0.8, seed=2, max_new_tokens=20,
+                          grammar=Grammar("regex", r"20\d\d-(0[1-9]|1[0-2])-[0-2]\d"))  # fmt: skip
+    colour = SamplingParams(temperature=0, max_new_tokens=20, grammar=Grammar(
+        "ebnf", 'root ::= "The colour is " ("red" | "green") "."'))  # fmt: skip
+    seqs = [constrained(compiler, r, prompt, sp)
+            for r, sp in (("person", person), ("date", date), ("colour", colour))]  # fmt: skip
+    assert [s.grammar.backend for s in seqs] == ["llguidance", "llguidance", "xgrammar"]  # type: ignore[union-attr]
+    run(runner, seqs)
+    jsonschema.validate(json.loads(text(tokenizer, seqs[0])), PERSON)
+    assert re.fullmatch(r"20\d\d-(0[1-9]|1[0-2])-[0-2]\d", text(tokenizer, seqs[1]))
+    assert re.fullmatch(r"The colour is (red|green)\.", text(tokenizer, seqs[2]))
+    assert all(s.finish is not None and s.finish.type == "stop" for s in seqs)
+    resumed = Sequence("resumed", prompt, person)
+    resumed.resume(seqs[0].output_ids[:9])
+    resumed.grammar = compiler.constraint(person.grammar, resumed.output_ids)  # type: ignore[arg-type]
+    assert run(runner, [resumed])[0].output_ids == seqs[0].output_ids
+    bad = compiler.constraint(Grammar("json_schema", '{"type": "foo"}'), [])
+    while not bad.ready:
+        pass
+    assert bad.failure is not None and "foo" in bad.failure

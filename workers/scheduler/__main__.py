@@ -95,7 +95,7 @@ def build_loop(settings: Settings) -> SchedulerLoop:
         "ready: context %d tokens, eos ids %s", core.max_model_len, sorted(config.eos_token_ids)
     )
     redis = connect(settings.redis_url)
-    grammars = GrammarCompiler(tokenizer, args.vocab_size)
+    grammars = GrammarCompiler(tokenizer, args.vocab_size, backend=sched.grammar_backend)
     keys = Keys(settings.key_prefix)
     return SchedulerLoop(redis, keys, settings, core, runner, model_path, grammars)
 

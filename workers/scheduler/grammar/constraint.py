@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 
 class Constraint:
+    backend = "xgrammar"
+
     def __init__(self, compiled: Future[xgrammar.CompiledGrammar], output_ids: list[int]) -> None:
         self._compiled = compiled
         self._replay = list(output_ids)  # accepted when the matcher is built

@@ -41,7 +41,7 @@ class GrammarMasks:
         none is constrained."""
         which = [
             i for i, row in enumerate(rows)
-            if row.grammar is not None and not row.grammar.matcher().is_terminated()
+            if row.grammar is not None and not row.grammar.is_terminated()
         ]  # fmt: skip
         if not which:
             return None
@@ -50,14 +50,27 @@ class GrammarMasks:
 
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
             self._matcher = xgr.BatchGrammarMatcher(max_threads=1)
-        matchers = [rows[i].grammar.matcher() for i in which]
-        return self._pool.submit(self._fill, matchers, which, len(rows), vocab)
+        xgr_rows = [i for i in which if rows[i].grammar.backend == "xgrammar"]
+        llg_rows = [i for i in which if rows[i].grammar.backend == "llguidance"]
+        groups = (
+            ([rows[i].grammar.matcher() for i in xgr_rows], xgr_rows),
+            ([rows[i].grammar.matcher() for i in llg_rows], llg_rows),
+        )
+        return self._pool.submit(self._fill, groups, which, len(rows), vocab)
 
-    def _fill(self, matchers: list[Any], which: list[int], num_rows: int, vocab: int) -> Masks:
+    def _fill(self, groups: Any, which: list[int], num_rows: int, vocab: int) -> Masks:
+        """xgrammar's rows in one batch call; llguidance's row by row (microseconds each)."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(num_rows, vocab)
-        self._matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=which)
+        (xgr_matchers, xgr_rows), (llg_matchers, llg_rows) = groups
+        if xgr_rows:
+            self._matcher.batch_fill_next_token_bitmask(xgr_matchers, bitmask, indices=xgr_rows)
+        if llg_rows:
+            import llguidance.torch
+
+            for matcher, row in zip(llg_matchers, llg_rows, strict=True):
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
         return Masks(bitmask, which)
 
 
