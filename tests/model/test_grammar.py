@@ -185,14 +185,15 @@ def test_chunked_prefill_and_preemption_keep_each_grammar_in_step(
                         grammar=Grammar("json_schema", json.dumps(PERSON)))  # fmt: skip
     prompts = [chat(tokenizer, f"Describe person number {i} as JSON.") for i in range(4)]
 
-    def outputs(**config: Any) -> list[list[int]]:
+    def outputs(**config: Any) -> tuple[list[list[int]], int]:
         seqs = [constrained(compiler, f"p{i}", p, sp) for i, p in enumerate(prompts)]
-        return [s.output_ids for s in run(runner, seqs, **config)]
+        run(runner, seqs, **config)
+        return [s.output_ids for s in seqs], sum(s.num_preemptions for s in seqs)
 
-    roomy = outputs()
+    roomy, _ = outputs()
     # 8-token prompt chunks, and KV for about two of the four at once: preemptions.
-    squeezed = outputs(num_kv_blocks=12, max_num_batched_tokens=8)
-    assert squeezed == roomy
+    squeezed, preemptions = outputs(num_kv_blocks=12, max_num_batched_tokens=8)
+    assert preemptions > 0 and squeezed == roomy
 
 
 def test_a_retracted_request_keeps_its_grammar_state(
