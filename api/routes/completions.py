@@ -7,7 +7,7 @@ from fastapi import Request, Response
 
 from api.deps import TokenizerManagerDep
 from api.inputs import completion_reqs, matched_stop, openai_finish_reason
-from api.logprobs import completion_logprobs, echo_logprobs
+from api.logprobs import completion_logprobs, echo_logprobs, echo_text
 from api.renderers import OpenAIHead, usage_of
 from api.req_state import ReqOutput
 from api.routes.common import make_router
@@ -36,7 +36,7 @@ async def create_completion(
         choices = [
             CompletionChoice(
                 index=out.index,
-                text=_echo(out, tm) + out.text if body.echo else out.text,
+                text=echo_text(out, tm.tok.token_texts) + out.text if body.echo else out.text,
                 logprobs=_logprobs(out, tm, bool(body.echo)),
                 finish_reason=openai_finish_reason(out),
                 matched_stop=matched_stop(out),
@@ -51,12 +51,6 @@ async def create_completion(
     spec = openai_spec("completion", head, n, body)
     spec.echo = bool(body.echo)
     return await respond(tm, reqs, request, body, spec, answer)
-
-
-def _echo(out: ReqOutput, tm: TokenizerManager) -> str:
-    """The prompt as text (ids are decoded)."""
-    prompt = out.req.prompt
-    return prompt if isinstance(prompt, str) else str(tm.tok.tokenizer.decode(out.req.input_ids))
 
 
 def _logprobs(out: ReqOutput, tm: TokenizerManager, echo: bool) -> CompletionLogprobs | None:

@@ -31,9 +31,7 @@ class GrammarCompiler:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._guidance_tokenizer: Any = None
 
-    def constraint(
-        self, spec: protocol.Grammar, output_ids: list[int]
-    ) -> Constraint | GuidanceConstraint:
+    def constraint(self, spec: protocol.Grammar, output_ids: list[int]) -> Constraint:
         """A request's constraint; its grammar compiles in the background if it is new."""
         if self._guided(spec):
             return GuidanceConstraint(self.compile(spec), output_ids, self._llg_tokenizer())

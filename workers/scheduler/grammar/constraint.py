@@ -9,21 +9,20 @@ Preemption and retraction keep the Sequence and so its matcher.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Any
 
 from shared.grammars import InvalidGrammar
 
-if TYPE_CHECKING:
-    import xgrammar
-
 
 class Constraint:
+    """xgrammar's; guidance.GuidanceConstraint swaps the matcher for llguidance's."""
+
     backend = "xgrammar"
 
-    def __init__(self, compiled: Future[xgrammar.CompiledGrammar], output_ids: list[int]) -> None:
+    def __init__(self, compiled: Future[Any], output_ids: list[int]) -> None:
         self._compiled = compiled
         self._replay = list(output_ids)  # accepted when the matcher is built
-        self._matcher: xgrammar.GrammarMatcher | None = None
+        self._matcher: Any = None
         self._failure: str | None = None
 
     @property
@@ -44,20 +43,25 @@ class Constraint:
                 self.matcher()
         return self._failure
 
-    def matcher(self) -> xgrammar.GrammarMatcher:
+    def matcher(self) -> Any:
         if self._matcher is None:
-            import xgrammar as xgr
-
-            self._matcher = xgr.GrammarMatcher(self._compiled.result())
-            for token_id in self._replay:
-                if not self._matcher.accept_token(token_id):
-                    self._failure = "The output so far does not fit the grammar."
-                    break
+            self._matcher = self._new_matcher(self._compiled.result())
+            if not all(self._accept(token_id) for token_id in self._replay):
+                self._failure = "The output so far does not fit the grammar."
             self._replay = []
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
-        return bool(self.matcher().accept_token(token_id))
+        self.matcher()
+        return self._accept(token_id)
 
     def is_terminated(self) -> bool:
         return bool(self.matcher().is_terminated())
+
+    def _new_matcher(self, compiled: Any) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+    def _accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))

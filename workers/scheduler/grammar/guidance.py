@@ -13,6 +13,7 @@ from typing import Any
 
 from shared.grammars import JSON_OBJECT_SCHEMA, InvalidGrammar
 from shared.protocol import Grammar
+from workers.scheduler.grammar.constraint import Constraint
 
 KINDS = ("json_schema", "json_object", "regex")
 
@@ -57,41 +58,20 @@ def _strict(text: str) -> str:
     return json.dumps(schema)
 
 
-class GuidanceConstraint:
+class GuidanceConstraint(Constraint):
     backend = "llguidance"
 
     def __init__(self, grammar: Future[str], output_ids: list[int], tokenizer: Any) -> None:
-        self._grammar, self._tokenizer = grammar, tokenizer
-        self._replay = list(output_ids)
-        self._matcher: Any = None
-        self._failure: str | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self._grammar.done()
-
-    @property
-    def failure(self) -> str | None:
-        if self._failure is None and self._grammar.done():
-            error = self._grammar.exception()
-            if error is not None:
-                self._failure = f"Invalid grammar: {error}"
-            else:
-                self.matcher()
-        return self._failure
-
-    def matcher(self) -> Any:
-        if self._matcher is None:
-            import llguidance
-
-            self._matcher = llguidance.LLMatcher(self._tokenizer, self._grammar.result())
-            if self._replay and not self._matcher.consume_tokens(self._replay):
-                self._failure = "The output so far does not fit the grammar."
-            self._replay = []
-        return self._matcher
-
-    def accept(self, token_id: int) -> bool:
-        return bool(self.matcher().consume_token(token_id))
+        super().__init__(grammar, output_ids)
+        self._tokenizer = tokenizer
 
     def is_terminated(self) -> bool:
         return bool(self.matcher().is_stopped())
+
+    def _new_matcher(self, compiled: Any) -> Any:
+        import llguidance
+
+        return llguidance.LLMatcher(self._tokenizer, compiled)
+
+    def _accept(self, token_id: int) -> bool:
+        return bool(self._matcher.consume_token(token_id))
