@@ -62,6 +62,9 @@ def create_app(
     app.include_router(router)
     # uvicorn has no body limit of its own: EdgeGuard's 413 is the only one.
     app.add_middleware(
-        EdgeGuard, api_keys=settings.api.api_keys, max_body_bytes=settings.api.max_body_bytes
+        EdgeGuard,
+        api_keys=settings.api.api_keys,
+        max_body_bytes=settings.api.max_body_bytes,
+        max_upload_bytes=settings.api.max_file_bytes,
     )
     return app

@@ -309,7 +309,11 @@ def _pair_or_prompt(value: Any) -> Any:
 
 
 def embed_reqs(
-    prompts: list[str | list[int] | TextPair], rid: str | list[str] | None, *, openai: bool
+    prompts: list[str | list[int] | TextPair],
+    rid: str | list[str] | None,
+    *,
+    openai: bool,
+    priority: int = 0,
 ) -> list[GenerateReq]:
     if not prompts:
         raise BadRequest("input must not be empty." if openai else "The batch cannot be empty.",
@@ -322,6 +326,7 @@ def embed_reqs(
             max_new_tokens=0,
             embed=True,
             openai=openai,
+            priority=priority,
         )
         for p in prompts
     ]

@@ -5,10 +5,12 @@
    the time nor the text of the 401 tells a missing key from a wrong one.
 2. Content type: bodies are JSON. `curl -d` sends application/x-www-form-urlencoded, and some
    clients send text/plain or nothing: such bodies are read as JSON (and fail as invalid JSON
-   when they are not). Any other non-JSON type (multipart, XML, ...) is a 415.
+   when they are not). Any other non-JSON type (multipart, XML, ...) is a 415, but for the
+   file uploads of UPLOAD_PATHS, which are multipart/form-data.
    The key's digest names the request's client for the per-key limits (api.admission.CLIENT).
-3. Body size: above `max_body_bytes` a 413, from Content-Length before reading anything, else
-   as soon as the streamed body passes the limit (before it is parsed)."""
+3. Body size: above `max_body_bytes` (uploads: `max_upload_bytes`) a 413, from Content-Length
+   before reading anything, else as soon as the streamed body passes the limit (before it is
+   parsed)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/live", "/metrics"})
 _LENIENT_TYPES = frozenset({"", "application/x-www-form-urlencoded", "text/plain"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Multipart uploads (OpenAI's Files API), and what a multipart envelope adds to a file.
+UPLOAD_PATHS = frozenset({"/v1/files"})
+_MULTIPART = "multipart/form-data"
+_ENVELOPE_BYTES = 64 * 1024
 _AUTH_MESSAGE = "Missing or invalid API key. Send it as 'Authorization: Bearer <key>'."
 
 
@@ -46,10 +52,18 @@ def is_json_type(media: str) -> bool:
 
 
 class EdgeGuard:
-    def __init__(self, app: ASGIApp, *, api_keys: list[str], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_keys: list[str],
+        max_body_bytes: int,
+        max_upload_bytes: int | None = None,
+    ) -> None:
         self.app = app
         self._digests = [_digest(key.encode()) for key in api_keys]
         self.max_body_bytes = max_body_bytes
+        self.max_upload_bytes = max_upload_bytes or max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -65,10 +79,12 @@ class EdgeGuard:
                 return
             client = client_id(_bearer(scope))
         if scope["method"] in _BODY_METHODS:
-            scope = await self._check_body(scope, receive, send)
+            upload = scope["path"] in UPLOAD_PATHS
+            limit = self.max_upload_bytes + _ENVELOPE_BYTES if upload else self.max_body_bytes
+            scope = await self._check_body(scope, receive, send, upload, limit)
             if not scope:
                 return
-            receive = self._limited(receive)
+            receive = self._limited(receive, limit, upload)
         token = CLIENT.set(client)  # reset after: an in-process ASGI client shares its task
         try:
             await self.app(scope, receive, send)
@@ -82,12 +98,19 @@ class EdgeGuard:
             ok |= hmac.compare_digest(known, digest)
         return ok
 
-    async def _check_body(self, scope: Scope, receive: Receive, send: Send) -> Scope:
+    async def _check_body(
+        self, scope: Scope, receive: Receive, send: Send, upload: bool, limit: int
+    ) -> Scope:
         """The scope to go on with (content type made JSON), or {} after an error reply."""
         headers = scope["headers"]
         raw_type = next((v for k, v in headers if k == b"content-type"), b"")
         media = media_type(raw_type)
-        if media in _LENIENT_TYPES:
+        if upload:
+            if media != _MULTIPART:
+                await _reply(scope, receive, send, 415, f"Unsupported Media Type: "
+                             f"{ascii(media)[:80]}; upload files as {_MULTIPART}.")  # fmt: skip
+                return {}
+        elif media in _LENIENT_TYPES:
             rest = [(k, v) for k, v in headers if k != b"content-type"]
             scope = {**scope, "headers": [*rest, (b"content-type", b"application/json")]}
         elif not is_json_type(media):
@@ -95,17 +118,13 @@ class EdgeGuard:
             await _reply(scope, receive, send, 415, message)
             return {}
         length = next((v for k, v in headers if k == b"content-length"), None)
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await _reply(scope, receive, send, 413, self._too_large())
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _reply(scope, receive, send, 413, _too_large(upload, limit))
             return {}
         return scope
 
-    def _too_large(self) -> str:
-        return f"The request body is larger than the limit of {self.max_body_bytes} bytes."
-
-    def _limited(self, receive: Receive) -> Receive:
+    def _limited(self, receive: Receive, limit: int, upload: bool) -> Receive:
         total = 0
-        limit = self.max_body_bytes
 
         async def limited_receive() -> Message:
             nonlocal total
@@ -113,10 +132,16 @@ class EdgeGuard:
             if message["type"] == "http.request":
                 total += len(message.get("body", b""))
                 if total > limit:
-                    raise BodyError(413, self._too_large())
+                    raise BodyError(413, _too_large(upload, limit))
             return message
 
         return limited_receive
+
+
+def _too_large(upload: bool, limit: int) -> str:
+    if upload:
+        return f"The file is larger than the limit of {limit - _ENVELOPE_BYTES} bytes."
+    return f"The request body is larger than the limit of {limit} bytes."
 
 
 def _bearer(scope: Scope) -> bytes:

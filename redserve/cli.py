@@ -1,4 +1,4 @@
-"""`redserve up | api | scheduler | detokenizer | health | dlq | status`: flags map onto
+"""`redserve up | api | scheduler | detokenizer | jobs | health | dlq | status`: flags map onto
 `Settings`.
 
 Each tier's subcommand takes the flags of its own `Settings` section (`api.*`, `scheduler.*`,
@@ -43,12 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
         ("api", tier_flags("api"), "the HTTP tier (TokenizerManager)"),
         ("scheduler", tier_flags("scheduler"), "a scheduler worker (model + continuous batching)"),
         ("detokenizer", tier_flags("detokenizer"), "a detokenizer worker (token ids -> text)"),
+        ("jobs", tier_flags("jobs"), "a jobs worker (arq: Batch API batches, maintenance)"),
     ]:
         tier_parser = sub.add_parser(command, help=help_text, description=help_text, epilog=_EPILOG)
         _add_groups(tier_parser, flags)
     health_help = "exit 0 when this host's tier is alive (for compose healthchecks)"
     health = sub.add_parser("health", help=health_help, description=health_help, epilog=_EPILOG)
-    health.add_argument("tier", choices=["api", "scheduler"], help="the tier to check")
+    health.add_argument("tier", choices=["api", "scheduler", "jobs"], help="the tier to check")
     _add_groups(health, [f for f in FLAGS if f.name in HEALTH_FLAGS])
     dlq_help = "list, retry (requeue) or purge the jobs given up on after too many deliveries"
     dlq = sub.add_parser("dlq", help=dlq_help, description=dlq_help, epilog=_EPILOG)
@@ -133,6 +134,10 @@ def _tier_main(command: str) -> Callable[[Settings], None]:
         from workers.detokenizer.__main__ import main as detokenizer_main
 
         return detokenizer_main
+    if command == "jobs":
+        from workers.jobs import main as jobs_main
+
+        return jobs_main
     from redserve.supervisor import up
 
     return up

@@ -12,7 +12,7 @@ from pydantic.fields import FieldInfo
 
 from shared.config import KV_CACHE_DTYPES, QUANTIZATIONS, Settings
 
-TIERS = ("api", "scheduler", "detokenizer")
+TIERS = ("api", "scheduler", "detokenizer", "jobs")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,12 @@ FLAGS: tuple[Flag, ...] = (
         int,
     ),
     Flag("--log-level", "log_level", "DEBUG, INFO, WARNING or ERROR", metavar="LEVEL"),
+    Flag(
+        "--files-dir",
+        "files_dir",
+        "the file store the api and jobs tiers share (Files/Batch API); empty = {cache dir}/files",
+        metavar="DIR",
+    ),
     # api.*
     Flag("--host", "api.host", "api bind address"),
     Flag("--port", "api.port", "api port", int),
@@ -81,6 +87,13 @@ FLAGS: tuple[Flag, ...] = (
         metavar="KEY",
     ),
     Flag("--max-body-bytes", "api.max_body_bytes", "larger request bodies get a 413", int),
+    Flag("--max-file-bytes", "api.max_file_bytes", "larger file uploads get a 413", int),
+    Flag(
+        "--max-batch-requests",
+        "api.max_batch_requests",
+        "most lines in a batch's input file (more: a 400 at creation)",
+        int,
+    ),
     Flag(
         "--incremental-streaming-output",
         "api.incremental_streaming_output",
@@ -249,6 +262,21 @@ FLAGS: tuple[Flag, ...] = (
         "a shard's lease outlives its holder's last renewal by this long",
         float,
     ),
+    # jobs.*
+    Flag("--jobs-id", "jobs.worker_id", "name of this jobs worker", metavar="ID"),
+    Flag("--max-batches", "jobs.max_batches", "batches one jobs worker runs at once", int),
+    Flag(
+        "--max-lines-in-flight",
+        "jobs.max_lines_in_flight",
+        "lines of one batch in the fleet at once",
+        int,
+    ),
+    Flag(
+        "--batch-priority",
+        "jobs.priority",
+        "priority of batch lines (below 0: after interactive requests)",
+        int,
+    ),
 )
 
 # Which tiers read each top-level setting (nested ones belong to their section's tier).
@@ -258,9 +286,19 @@ _TOP_LEVEL_TIERS: dict[str, tuple[str, ...]] = {
     "key_prefix": TIERS,
     "num_token_shards": ("scheduler", "detokenizer"),
     "cache_dir": TIERS,
-    "context_length": ("api", "scheduler"),
+    "context_length": ("api", "scheduler", "jobs"),
     "log_level": TIERS,
+    "files_dir": ("api", "jobs"),
 }
+
+# The jobs tier answers batch lines through an api app of its own: the api settings that
+# shape an answer are its flags too.
+JOBS_API_FLAGS = (
+    "--served-model-name",
+    "--tool-call-parser",
+    "--reasoning-parser",
+    "--max-batch-requests",
+)
 
 # `health` checks this host's api (GET on api.port) or scheduler (a heartbeat key in Redis).
 HEALTH_FLAGS = ("--redis-url", "--key-prefix", "--port")
@@ -276,6 +314,7 @@ _DERIVED_DEFAULTS: dict[str, str] = {
     "api.api_id": "host name + random suffix",
     "scheduler.worker_id": "host name + random suffix",
     "detokenizer.worker_id": "host name + random suffix",
+    "jobs.worker_id": "host name + random suffix",
     "api.served_model_name": "the model's file or folder name",
     "api.api_keys": "none: no authentication",
     "detokenizer.shards": "a fair share",
@@ -293,7 +332,9 @@ def tier_flags(tier: str) -> list[Flag]:
     return [
         f
         for f in FLAGS
-        if flag_tier(f) == tier or (flag_tier(f) is None and tier in _TOP_LEVEL_TIERS[f.path])
+        if flag_tier(f) == tier
+        or (flag_tier(f) is None and tier in _TOP_LEVEL_TIERS[f.path])
+        or (tier == "jobs" and f.name in JOBS_API_FLAGS)
     ]
 
 

@@ -1,9 +1,9 @@
-"""`redserve health api|scheduler`: a container healthcheck (liveness, not readiness).
+"""`redserve health api|scheduler|jobs`: a container healthcheck (liveness, not readiness).
 
 api: GET /live answers 200 (the replica runs and Redis answers; /health, its readiness, also
 needs a ready scheduler, which is not this container's health). scheduler: a scheduler on this
 host has a fresh heartbeat and has loaded its model (worker ids start with the host name, and
-heartbeat keys expire when a worker stops beating).
+heartbeat keys expire when a worker stops beating). jobs: a jobs worker on this host beats.
 """
 
 from __future__ import annotations
@@ -16,14 +16,19 @@ from redis.exceptions import RedisError
 
 from shared import heartbeat
 from shared.config import Settings
-from shared.heartbeat import SCHEDULER, SchedulerBeat
+from shared.heartbeat import JOBS, SCHEDULER, SchedulerBeat
 from shared.keys import Keys
 from shared.redis_conn import connect
 
 
 def check(settings: Settings, tier: str) -> int:
     try:
-        alive = _api_alive(settings) if tier == "api" else asyncio.run(_scheduler_alive(settings))
+        if tier == "api":
+            alive = _api_alive(settings)
+        elif tier == "jobs":
+            alive = asyncio.run(_jobs_alive(settings))
+        else:
+            alive = asyncio.run(_scheduler_alive(settings))
     except (OSError, RedisError):
         alive = False
     return 0 if alive else 1
@@ -44,3 +49,13 @@ async def _scheduler_alive(settings: Settings) -> bool:
     finally:
         await r.aclose()
     return any(w.startswith(host) and b.state != "loading" for w, b in beats.items())
+
+
+async def _jobs_alive(settings: Settings) -> bool:
+    r = connect(settings.redis_url)
+    try:
+        keys = Keys(settings.key_prefix)
+        live = await heartbeat.live_workers(r, keys, JOBS, socket.gethostname())
+    finally:
+        await r.aclose()
+    return bool(live)

@@ -23,11 +23,12 @@ from shared.model_files import resolve_model
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("scheduler", "detokenizer", "api")
-# Stopping: schedulers drain first (their running requests finish while the api and the
+TIERS = ("scheduler", "detokenizer", "api", "jobs")
+# Stopping: the jobs worker first (its batches stop feeding and are picked up again by the
+# next start), then schedulers drain (their running requests finish while the api and the
 # detokenizer still carry the output), then the api (its in-flight requests end), then the
 # detokenizer. Each gets its own time: a scheduler's is its drain time and then some.
-STOP_ORDER = ("scheduler", "api", "detokenizer")
+STOP_ORDER = ("jobs", "scheduler", "api", "detokenizer")
 
 
 def start_tiers(

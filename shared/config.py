@@ -11,6 +11,7 @@ import os
 import socket
 import uuid
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -80,6 +81,10 @@ class ApiSettings(_Checked):
     # `reasoning_content` (`qwen3`: an optional block; `deepseek-r1`: the output starts in
     # one). "" = off.
     reasoning_parser: Literal["", "qwen3", "deepseek-r1"] = ""
+    # Files API uploads above this many bytes get a 413 (OpenAI's batch input limit); a
+    # batch's input file holds at most max_batch_requests lines.
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
+    max_batch_requests: int = Field(default=50_000, ge=1)
     # POST /update_weights_from_disk waits this long for every scheduler's result, then
     # answers success false naming who did not answer (and the fleet goes back).
     update_weights_timeout_s: float = Field(default=600.0, gt=0)
@@ -175,6 +180,15 @@ class DetokenizerSettings(_Checked):
     max_states: int = Field(default=65536, ge=1)
 
 
+class JobsSettings(_Checked):
+    worker_id: str = Field(default_factory=_default_instance_id)
+    # Batches one jobs worker runs at once, and lines of one batch in flight at once.
+    max_batches: int = Field(default=4, ge=1)
+    max_lines_in_flight: int = Field(default=16, ge=1)
+    # The priority of batch lines: below 0 they go to the low band, after interactive work.
+    priority: int = -1
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="REDSERVE_", env_nested_delimiter="__", extra="ignore", validate_assignment=True
@@ -190,10 +204,21 @@ class Settings(BaseSettings):
     cache_dir: str = ""  # where converted GGUF weights are kept; empty = ~/.cache/redserve
     context_length: int = Field(default=0, ge=0)  # 0 = the model's max_position_embeddings
     log_level: str = "INFO"
+    # The file store shared by the api and jobs tiers (uploads, batch outputs); empty =
+    # {cache_dir}/files.
+    files_dir: str = ""
 
     api: ApiSettings = Field(default_factory=ApiSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     detokenizer: DetokenizerSettings = Field(default_factory=DetokenizerSettings)
+    jobs: JobsSettings = Field(default_factory=JobsSettings)
+
+    def files_path(self) -> Path:
+        """The file store's directory."""
+        if self.files_dir:
+            return Path(self.files_dir)
+        base = Path(self.cache_dir) if self.cache_dir else Path.home() / ".cache" / "redserve"
+        return base / "files"
 
 
 def child_process_env(settings: Settings) -> dict[str, str]:

@@ -21,12 +21,13 @@ from shared.keys import HEARTBEAT_TTL_S, Keys
 # Registry entries older than this are pruned (and the registry expires if nobody beats).
 _REGISTRY_KEEP_S = 6 * HEARTBEAT_TTL_S
 
-WorkerKind = Literal["scheduler", "api", "detokenizer"]
+WorkerKind = Literal["scheduler", "api", "detokenizer", "jobs"]
 SchedulerState = Literal["loading", "ready", "paused", "updating", "draining"]
 SERVING_STATES = ("ready", "paused")
 SCHEDULER: WorkerKind = "scheduler"
 API: WorkerKind = "api"
 DETOKENIZER: WorkerKind = "detokenizer"
+JOBS: WorkerKind = "jobs"
 
 
 class SchedulerBeat(msgspec.Struct, frozen=True):

@@ -35,6 +35,14 @@ IN_FLIGHT_LEASE_S = 30
 
 # Dead letters (jobs delivered more than max_deliveries times) are trimmed to this many.
 DEAD_LETTER_MAXLEN = 10_000
+# ... and the maintenance job drops those older than this (seconds).
+DEAD_LETTER_KEEP_S = 7 * 86400
+
+# The jobs tier (arq). A running batch holds its lease, renewed every BATCH_LEASE_S / 4; a
+# batch whose lease is gone while it is not finished is run again (workers.maintenance).
+BATCH_LEASE_S = 10.0
+# A finished batch's record (and its lines' bookkeeping) is kept this long (seconds).
+BATCH_KEEP_S = 30 * 86400
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,43 @@ class Keys:
     def in_flight(self, client: str) -> str:
         """Sorted set: one API key's requests in flight (rid -> expiry, unix time)."""
         return f"{self.prefix}:limit:{client}:inflight"
+
+    # -- files and batches (OpenAI Files / Batch API; the jobs tier) ---------------------
+    def file(self, file_id: str) -> str:
+        """Hash: a stored file's record (shared.file_store.FileRecord); content on disk."""
+        return f"{self.prefix}:file:{file_id}"
+
+    @property
+    def files(self) -> str:
+        """Sorted set: every file id by creation time (listing, expiry sweep)."""
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch's record (shared.batches.BatchRecord), its counts updated in place."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set: every batch id by creation time (listing)."""
+        return f"{self.prefix}:batches"
+
+    @property
+    def active_batches(self) -> str:
+        """Set: the batches not yet finished (the maintenance job's recovery looks here)."""
+        return f"{self.prefix}:batches:active"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String (SET PX): the jobs worker running a batch, while it runs it."""
+        return f"{self.prefix}:batch:{batch_id}:lease"
+
+    def batch_lines(self, batch_id: str) -> str:
+        """Hash: custom_id -> rid of a batch's lines sent and not yet written out."""
+        return f"{self.prefix}:batch:{batch_id}:lines"
+
+    @property
+    def jobs_queue(self) -> str:
+        """arq's queue (a sorted set); arq's job ids carry this prefix too."""
+        return f"{self.prefix}:arq:queue"
 
     # -- workers ---------------------------------------------------------------------------
     def heartbeat(self, kind: str, worker_id: str) -> str:

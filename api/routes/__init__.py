@@ -3,10 +3,12 @@
 from fastapi import APIRouter
 
 from api.routes import (
+    batches,
     chat,
     completions,
     control,
     embeddings,
+    files,
     models,
     native,
     ops,
@@ -17,6 +19,6 @@ from api.routes import (
 )
 
 router = APIRouter()
-for module in (native, completions, chat, responses, embeddings, models, utility, requests,
-               control, ops, weights):  # fmt: skip
+for module in (native, completions, chat, responses, embeddings, files, batches, models,
+               utility, requests, control, ops, weights):  # fmt: skip
     router.include_router(module.router)

@@ -41,10 +41,10 @@ def _embedding(out: ReqOutput) -> list[float]:
 
 
 async def _run(
-    tm: TokenizerManagerDep, request: Request, value: Any, rid: Any, openai: bool
+    tm: TokenizerManagerDep, request: Request, value: Any, rid: Any, openai: bool, priority: int
 ) -> tuple[list[ReqOutput], bool]:
     prompts, is_single = embed_prompts(value)
-    reqs = embed_reqs(prompts, rid, openai=openai)
+    reqs = embed_reqs(prompts, rid, openai=openai, priority=priority)
     results = await collect(await tm.generate(reqs, request))
     raise_for_error(results)
     return results, is_single
@@ -59,7 +59,7 @@ async def encode(body: EncodeRequest, request: Request, tm: TokenizerManagerDep)
     value = body.text if body.text is not None else body.input_ids
     if value is None:
         raise BadRequest("Either text, input_ids or input_embeds should be provided.")
-    results, is_single = await _run(tm, request, value, body.rid, openai=False)
+    results, is_single = await _run(tm, request, value, body.rid, False, body.priority or 0)
     payload = [{"embedding": _embedding(out), "meta_info": out.meta_info()} for out in results]
     return JSONResponse(payload[0] if is_single else payload)
 
@@ -73,7 +73,7 @@ async def create_embeddings(
         raise BadRequest(
             "This model does not support the dimensions parameter.", param="dimensions"
         )
-    results, _ = await _run(tm, request, body.input, body.rid, openai=True)
+    results, _ = await _run(tm, request, body.input, body.rid, True, body.priority or 0)
     data = [
         EmbeddingData(index=out.index, embedding=_encode(_embedding(out), body.encoding_format))
         for out in results

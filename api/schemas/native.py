@@ -106,6 +106,7 @@ class EncodeRequest(TextOnlyInput):
     text: EmbedInput | None = None
     input_ids: TokenIdsInput | None = None
     rid: OneOrList[Rid] | None = None
+    priority: Int64 | None = None
 
 
 class TokenizeRequest(RequestBody):

@@ -239,6 +239,7 @@ class EmbeddingRequest(RequestBody):
     dimensions: int | None = None
     user: SafeStr | None = None
     rid: Rid | None = None
+    priority: Int64 | None = None
 
 
 # -- responses ------------------------------------------------------------------------------

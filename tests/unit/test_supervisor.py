@@ -37,10 +37,11 @@ class FakeProc:
 
 def test_tiers_stop_one_by_one_in_order() -> None:
     log: list[str] = []
-    procs: dict[str, Any] = {t: FakeProc(t, log) for t in ("api", "detokenizer", "scheduler")}
+    tiers = ("api", "detokenizer", "jobs", "scheduler")
+    procs: dict[str, Any] = {t: FakeProc(t, log) for t in tiers}
     stop_tiers(procs)
-    assert STOP_ORDER == ("scheduler", "api", "detokenizer")
-    assert log == ["SIGTERM scheduler", "SIGTERM api", "SIGTERM detokenizer"]
+    assert STOP_ORDER == ("jobs", "scheduler", "api", "detokenizer")
+    assert log == ["SIGTERM jobs", "SIGTERM scheduler", "SIGTERM api", "SIGTERM detokenizer"]
 
 
 def test_a_tier_that_does_not_stop_in_its_time_is_killed() -> None:
