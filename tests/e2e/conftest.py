@@ -24,6 +24,7 @@ def stack(
         redis_url=redis_url,
         key_prefix=f"e2e{uuid.uuid4().hex[:6]}",
         model=model_path,
+        files_dir=str(tmp_path_factory.mktemp("files")),
         # A stream whose client went away is aborted once this grace passed without a
         # re-attach (GET /v1/requests/{rid}/stream).
         api=ApiSettings(port=free_port(), api_id="e2e-api", orphan_grace_s=ORPHAN_GRACE_S),

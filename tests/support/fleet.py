@@ -58,7 +58,7 @@ class Fleet:
         `module` runs `python -m <module...>` instead (a test's own entry point for the tier)."""
         settings = self.settings.model_copy(deep=True)
         settings.api.api_id = settings.scheduler.worker_id = name
-        settings.detokenizer.worker_id = name
+        settings.detokenizer.worker_id = settings.jobs.worker_id = name
         if tier == "api":
             self.ports[name] = settings.api.port = free_port()
         environ = {**child_process_env(settings), **(env or {})}

@@ -31,8 +31,11 @@ def replica_settings(settings: Settings) -> Settings:
 
 
 class FleetClient:
-    def __init__(self, settings: Settings, redis: aioredis.Redis | None = None) -> None:
-        self.app = create_app(replica_settings(settings), redis=redis)
+    def __init__(
+        self, settings: Settings, redis: aioredis.Redis | None = None, tokenizer: Any = None
+    ) -> None:
+        """`redis` and `tokenizer` are the api app's injected ones (tests)."""
+        self.app = create_app(replica_settings(settings), redis=redis, tokenizer=tokenizer)
         self._stack = AsyncExitStack()
         self.http: httpx.AsyncClient | None = None
 
@@ -59,10 +62,17 @@ class FleetClient:
             payload = response.json()
         except ValueError:
             payload = {"error": {"message": response.text[:1000]}}
-        retry = response.headers.get("retry-after")
-        return LineAnswer(response.status_code, payload, float(retry) if retry else None)
+        return LineAnswer(response.status_code, payload, _seconds(response.headers))
 
     async def abort(self, rids: list[str], message: str) -> None:
         """Abort requests wherever they run (their former holder may be a dead process)."""
         if rids:
             await self.manager.abort_request(rids, message=message)
+
+
+def _seconds(headers: httpx.Headers) -> float | None:
+    """Retry-After in seconds (the api sends numbers), None if absent or not a number."""
+    try:
+        return float(headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
