@@ -143,6 +143,9 @@ class SchedulerSettings(_Checked):
     # Larger budgets prefill arrivals in fewer, larger chunks, which cost less per token;
     # smaller ones bound a running stream's wait more tightly (2048 vs 512: bench/README.md).
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # Background sequences (priority < 0: the low band, where batch lines go) sit out each
+    # step in which an interactive sequence prefills, so batches do not delay first tokens.
+    background_yields: bool = True
     num_threads: int = Field(default=0, ge=0)  # 0 = torch default
     # Block for new jobs at most this long when idle.
     idle_block_ms: int = Field(default=50, ge=1)

@@ -25,7 +25,7 @@ from shared.config import JobsSettings, Settings
 from shared.file_store import FileStore
 from shared.keys import Keys
 from tests.support.backend import FakeBackend
-from workers.batch.fleet_client import FleetClient
+from workers.batch.fleet_client import FleetClient, replica_settings
 from workers.batch.journal import result_file_ids
 from workers.batch.runner import BatchRun
 
@@ -185,3 +185,11 @@ async def test_a_vanished_input_file_fails_the_batch(
     assert await BatchRun(settings, fake_redis, client, record).run() == "failed"
     done = await batches.get(fake_redis, keys, record.id)
     assert done is not None and done.status == "failed" and done.errors
+
+
+def test_the_jobs_replica_needs_no_key_and_has_its_own_api_id(settings: Settings) -> None:
+    settings.api.api_keys = ["secret"]
+    settings.api.rate_limit_rps = 1
+    replica = replica_settings(settings)
+    assert replica.api.api_id == "jobs-w1" and replica.api.api_keys == []
+    assert replica.api.rate_limit_rps == 0 and settings.api.api_keys == ["secret"]

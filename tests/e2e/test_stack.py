@@ -45,7 +45,7 @@ def _sse_events(lines: list[str]) -> list[str]:
 
 def test_tiers_are_separate_processes_sharing_only_redis(stack: Stack) -> None:
     pids = {tier: p.pid for tier, p in stack.procs.items()}
-    assert len(set(pids.values())) == 3 and os.getpid() not in pids.values()
+    assert len(set(pids.values())) == 4 and os.getpid() not in pids.values()  # with jobs
     assert all(p.poll() is None for p in stack.procs.values())
     resp = httpx.post(
         stack.base_url + "/generate",

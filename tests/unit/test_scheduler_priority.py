@@ -155,3 +155,54 @@ def test_expire_ends_waiting_and_running_sequences_past_their_deadline() -> None
     clock.now = NOW + 10**6
     assert core.expire() == []
     assert start_order(core) == ["patient"]
+
+
+def _step(core: Scheduler) -> dict[str, int]:
+    """One step: {rid: tokens it computed}."""
+    seqs = core.schedule()
+    computed = {seq.rid: seq.num_new_tokens for seq in seqs}
+    core.postprocess(seqs, [50] * sum(seq.will_sample for seq in seqs))
+    return computed
+
+
+def test_background_sits_out_the_steps_where_a_foreground_request_prefills() -> None:
+    core = make_core()
+    for rid in ("bg1", "bg2"):
+        core.add(make_seq(rid, priority=-1, num_tokens=5, max_new_tokens=20))
+    assert _step(core) == {"bg1": 5, "bg2": 5}  # alone, background runs
+    assert _step(core) == {"bg1": 1, "bg2": 1}
+    core.add(make_seq("chat", priority=0, num_tokens=6))
+    assert _step(core) == {"chat": 6}  # its prefill runs alone: the first token comes at once
+    assert _step(core) == {"chat": 1, "bg1": 1, "bg2": 1}  # then all decode together
+    core.add(make_seq("bg3", priority=-1, num_tokens=4))
+    assert _step(core) == {"chat": 1, "bg1": 1, "bg2": 1, "bg3": 4}  # a background prefill
+
+
+def test_a_foreground_prompt_prefilled_in_chunks_keeps_background_out_until_done() -> None:
+    core = make_core(max_num_batched_tokens=8)
+    core.add(make_seq("bg", priority=-1, num_tokens=3, max_new_tokens=20))
+    _step(core)
+    core.add(make_seq("long", priority=0, num_tokens=20))
+    assert _step(core) == {"long": 8}
+    assert _step(core) == {"long": 8}
+    assert _step(core) == {"long": 4}
+    assert _step(core) == {"long": 1, "bg": 1}
+
+
+def test_without_yielding_background_decodes_beside_a_prefill() -> None:
+    core = make_core(background_yields=False)
+    core.add(make_seq("bg", priority=-1, num_tokens=5, max_new_tokens=20))
+    _step(core)
+    core.add(make_seq("chat", priority=0, num_tokens=6))
+    assert _step(core) == {"chat": 6, "bg": 1}
+
+
+def test_background_goes_on_when_the_foreground_request_cannot_start() -> None:
+    # 6 blocks of 4 tokens: the background sequence holds 3, the foreground prompt needs 4.
+    core = make_core(num_kv_blocks=6)
+    core.add(make_seq("bg", priority=-1, num_tokens=10, max_new_tokens=3))
+    _step(core)
+    core.add(make_seq("big", priority=0, num_tokens=16, max_new_tokens=1))
+    assert _step(core) == {"bg": 1}  # "big" does not fit: no prefill to yield to
+    started = start_order(core)
+    assert "big" in started and core.is_idle  # "bg" finished, freed its blocks, "big" ran

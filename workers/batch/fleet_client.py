@@ -24,9 +24,15 @@ class LineAnswer(msgspec.Struct, frozen=True):
 
 
 def replica_settings(settings: Settings) -> Settings:
-    """The settings of the jobs worker's api replica (its own api_id)."""
+    """The settings of the jobs worker's api replica: its own api_id; no API keys or per-key
+    limits (nothing but this process reaches it, and the jobs tier bounds its own lines in
+    flight). The fleet-wide queue bound still applies: a 503 sends a line again later."""
     copy = settings.model_copy(deep=True)
-    copy.api.api_id = f"jobs-{settings.jobs.worker_id}"
+    api = copy.api
+    api.api_id = f"jobs-{settings.jobs.worker_id}"
+    api.api_keys = []
+    api.rate_limit_rps = 0
+    api.max_concurrent_requests_per_key = 0
     return copy
 
 

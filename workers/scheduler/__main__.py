@@ -87,6 +87,7 @@ def build_loop(settings: Settings) -> SchedulerLoop:
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         enable_prefix_caching=sched.enable_prefix_caching,
+        background_yields=sched.background_yields,
         eos_token_ids=eos_token_ids(tokenizer.eos_token_id, model_path),
     )
     runner.eos_token_ids = config.eos_token_ids  # masked until min_new_tokens

@@ -18,6 +18,9 @@ waiting sequence starts in that step. A sequence past its deadline ends with a 5
 when it is added (a job that waited too long in the stream) or at the next `expire`.
 A constrained sequence (structured output) waits until its grammar compiled, letting the
 ones behind it start; its grammar takes each sampled token and ends it once it terminated.
+Background sequences (priority < 0: the low band, where batch lines go) sit out every step in
+which a foreground sequence prefills (`background_yields`), so an interactive request's first
+token comes as fast as on an idle server; in every other step they run beside the others.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens computed in one step (the chunk size too)
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    background_yields: bool = True
 
 
 def _bad_request(message: str) -> FinishReason:
@@ -146,21 +150,29 @@ class Scheduler:
 
     # -- stepping --------------------------------------------------------------------------
     def schedule(self) -> list[Sequence]:
-        """The sequences of the next model step, each with its `num_new_tokens` set."""
-        budget = self.config.max_num_batched_tokens
-        num_running = len(self.running)
-        scheduled = self._schedule_running(budget)
-        budget -= sum(seq.num_new_tokens for seq in scheduled)
-        if len(self.running) == num_running:  # nothing was preempted: room for newcomers
-            scheduled += self._schedule_waiting(budget)
+        """The sequences of the next model step, each with its `num_new_tokens` set:
+        foreground first (running, then starting), then background unless it yields."""
+        scheduled: list[Sequence] = []
+        for background in (False, True):
+            if background and self.config.background_yields and _prefills(scheduled):
+                break
+            budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+            num_running = len(self.running)
+            part = [s for s in self.running if _is_background(s) == background]
+            scheduled += self._schedule_running(budget, part)
+            budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+            if len(self.running) != num_running:  # a preemption: no newcomers this step
+                break
+            scheduled += self._schedule_waiting(budget, background)
         return scheduled
 
-    def _schedule_running(self, budget: int) -> list[Sequence]:
-        """A decode token or the next prompt chunk of each running sequence, in order, while
-        the budget lasts; preempts the last ones when the blocks run out."""
+    def _schedule_running(self, budget: int, candidates: list[Sequence]) -> list[Sequence]:
+        """A decode token or the next prompt chunk of each candidate (running, in order)
+        while the budget lasts; preempts the last running ones when the blocks run out."""
         scheduled: list[Sequence] = []
-        while len(scheduled) < len(self.running) and budget > 0:
-            seq = self.running[len(scheduled)]
+        for seq in candidates:
+            if budget <= 0 or seq.status != SequenceStatus.RUNNING:  # preempted just now
+                break
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, seq.num_computed_tokens + num_new):
                 break
@@ -180,14 +192,16 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, budget: int) -> list[Sequence]:
-        """Start waiting sequences in order (their cached prefix, then a first chunk) while
-        the budget, max_num_seqs and the free blocks allow."""
+    def _schedule_waiting(self, budget: int, background: bool) -> list[Sequence]:
+        """Start waiting sequences (foreground or background ones) in order (their cached
+        prefix, then a first chunk) while the budget, max_num_seqs and the free blocks allow."""
         bm = self.block_manager
         scheduled: list[Sequence] = []
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if _is_background(seq) != background:
+                continue
             if not seq.is_ready:  # its grammar is still compiling: the next ones may start
                 continue
             bm.allocate_cached_prefix(seq)
@@ -334,6 +348,18 @@ class Scheduler:
         seq.status, seq.finish = SequenceStatus.FINISHED, reason
         self.block_manager.deallocate(seq)
         self.running.remove(seq)
+
+
+def _is_background(seq: Sequence) -> bool:
+    return seq.priority < 0
+
+
+def _prefills(seqs: list[Sequence]) -> bool:
+    """Whether any of a step's sequences computes prompt positions (or recomputes more than
+    a decode's one token after a preemption)."""
+    return any(
+        seq.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens for seq in seqs
+    )
 
 
 def _enqueue(queue: deque[Sequence], seq: Sequence) -> None:
