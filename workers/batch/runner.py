@@ -11,6 +11,7 @@ file as `batch_expired`. The run holds the batch's lease while it runs (workers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -42,6 +43,10 @@ class Superseded(Exception):
     """A newer run of this batch took over (the recovery thought this one dead)."""
 
 
+class InputFileError(Exception):
+    """The batch's input file went away or no longer reads as it did when checked."""
+
+
 class BatchRun:
     def __init__(
         self, settings: Settings, redis: aioredis.Redis, client: FleetClient, record: BatchRecord
@@ -68,8 +73,8 @@ class BatchRun:
             if await self._check_stop() is None:
                 await self._feed()
             return await self._finish()
-        except (OSError, LineError) as e:  # the input file went away or changed
-            return await self._fail(f"Could not read input file {self.record.input_file_id}: {e}")
+        except InputFileError as e:
+            return await self._fail(str(e))
         finally:
             self.journal.close()
 
@@ -114,7 +119,7 @@ class BatchRun:
         body = dict(line.body)
         given = body.get("priority")
         body["priority"] = min(given, jobs.priority) if isinstance(given, int) else jobs.priority
-        for attempt in range(1_000_000):
+        for attempt in itertools.count():
             rid = f"{self.record.id}-{line.index}-{self.record.attempt}-{attempt}"
             body["rid"] = rid
             await self.redis.hset(self.keys.batch_lines(self.record.id), line.custom_id, rid)  # type: ignore[misc]
@@ -137,7 +142,15 @@ class BatchRun:
         """The input file's requests, read in a thread a chunk at a time."""
         path = self.store.path(self.record.input_file_id)
         chunks = _chunks(path, self.record.endpoint, self.settings.api.max_batch_requests)
-        while chunk := await asyncio.to_thread(next, chunks, list[BatchLine]()):
+        while True:
+            try:
+                chunk = await asyncio.to_thread(next, chunks, list[BatchLine]())
+            except (OSError, LineError) as e:
+                raise InputFileError(
+                    f"Could not read input file {self.record.input_file_id}: {e}"
+                ) from e
+            if not chunk:
+                return
             for line in chunk:
                 yield line
 
