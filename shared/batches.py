@@ -86,7 +86,8 @@ def _text(value: bytes | str) -> str:
 async def create(r: aioredis.Redis, keys: Keys, record: BatchRecord) -> None:
     async with r.pipeline(transaction=True) as pipe:
         pipe.hset(keys.batch(record.id), mapping=_encode(record))
-        pipe.zadd(keys.batches, {record.id: record.created_at})
+        # Listed by the time to the microsecond: created_at (seconds) ties within a second.
+        pipe.zadd(keys.batches, {record.id: time.time()})
         pipe.sadd(keys.active_batches, record.id)
         await pipe.execute()
 

@@ -84,7 +84,8 @@ class FileStore:
         record = FileRecord(file_id, size, int(time.time()), filename, purpose, expires_at)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.file(file_id), mapping=record.to_hash())
-            pipe.zadd(self.keys.files, {file_id: record.created_at})
+            # Listed by the time to the microsecond: created_at (seconds) ties within a second.
+            pipe.zadd(self.keys.files, {file_id: time.time()})
             await pipe.execute()
         return record
 

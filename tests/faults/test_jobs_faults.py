@@ -18,7 +18,7 @@ from tests.support.fleet import Fleet, assert_invariants
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-NUM_LINES = 24
+NUM_LINES = 16
 CHAT = "/v1/chat/completions"
 
 
@@ -34,7 +34,7 @@ def stack(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Fleet:
 
 def _body(i: int) -> dict[str, Any]:
     question = f"Tell me a fact about the number {i}."
-    return {"model": "default", "temperature": 0, "max_tokens": 24, "ignore_eos": True,
+    return {"model": "default", "temperature": 0, "max_tokens": 16, "ignore_eos": True,
             "messages": [{"role": "user", "content": question}]}  # fmt: skip
 
 
@@ -49,13 +49,13 @@ def test_a_killed_jobs_worker_is_resumed_by_the_next_with_each_line_once(stack: 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         batch = client.batches.retrieve(batch.id)
-        if batch.request_counts and batch.request_counts.completed >= 4:
+        if batch.request_counts and batch.request_counts.completed >= 3:
             break
         time.sleep(0.1)
     stack.kill("jobs-a")
     at_kill = client.batches.retrieve(batch.id)
     assert at_kill.status == "in_progress" and at_kill.request_counts is not None
-    assert 4 <= at_kill.request_counts.completed < NUM_LINES
+    assert 3 <= at_kill.request_counts.completed < NUM_LINES
     stack.start("jobs-b", "jobs")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and batch.status not in ("completed", "failed"):
