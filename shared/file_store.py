@@ -8,6 +8,7 @@ always names a whole file; a `.part` left by a crash is swept by the maintenance
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import time
@@ -138,7 +139,15 @@ class FileStore:
         return bool(deleted)
 
     async def discard_part(self, file_id: str) -> None:
-        await asyncio.to_thread(self.part_path(file_id).unlink, missing_ok=True)
+        """Best effort: a part that cannot be removed is left to the maintenance sweep."""
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self.part_path(file_id).unlink, missing_ok=True)
+
+    async def discard(self, file_id: str) -> None:
+        """Best effort: the content of a file `add` could not record (Redis away)."""
+        await self.discard_part(file_id)
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
 
 
 def _publish(part: Path, final: Path) -> int:

@@ -15,7 +15,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 
 from api.deps import TokenizerManagerDep
-from api.errors import BadRequest, NotFound
+from api.errors import BadRequest, NotFound, ServiceUnavailable
 from api.redis_errors import REDIS_ERRORS, unavailable
 from api.tokenizer_manager import TokenizerManager
 from shared.file_store import FileRecord, FileStore, new_file_id
@@ -68,11 +68,18 @@ async def upload_file(request: Request, store: StoreDep) -> dict[str, Any]:
         file_id = new_file_id()
         try:
             await store.fill(file_id, lambda out: _copy(upload.file, out, limit))
-            record = await store.add(file_id, upload.filename or "file", purpose, expires_at)
-            return record.to_api()
+        except OSError as e:  # the store's directory: full, missing, not writable
+            await store.discard_part(file_id)
+            raise ServiceUnavailable(f"Could not store the file: {e.strerror or e}") from e
         except BaseException:
             await store.discard_part(file_id)
             raise
+        try:
+            record = await store.add(file_id, upload.filename or "file", purpose, expires_at)
+        except REDIS_ERRORS as e:  # published but not recorded: nothing would name it
+            await store.discard(file_id)
+            raise unavailable(e, "Redis is unavailable.") from e
+        return record.to_api()
     finally:
         await form.close()
 

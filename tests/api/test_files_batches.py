@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from fastapi import FastAPI
 
 from shared import batches, job_queue
@@ -195,3 +196,27 @@ async def test_a_batch_is_queued_listed_and_cancelled(
     error = _openai_error(await client.get("/v1/batches/batch_nope"), 404)
     assert "batch_nope" in error["message"]
     assert _openai_error(await client.post("/v1/batches/batch_nope/cancel"), 404)
+
+
+async def test_an_unwritable_store_is_a_503_not_a_500(
+    settings: Settings, fake_redis: aioredis.Redis, tokenizer: Any, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the store's directory should be")
+    settings.files_dir = str(blocker / "files")
+    async with running_app(settings, fake_redis, tokenizer) as (_, client):
+        error = _openai_error(await _upload(client, b"{}\n"), 503)
+        assert "Could not store the file" in error["message"]
+
+
+async def test_redis_away_while_recording_an_upload_is_a_503_and_leaves_no_file(
+    settings: Settings, fake_redis: aioredis.Redis, tokenizer: Any, monkeypatch: Any
+) -> None:
+    async def redis_away(*args: Any, **kwargs: Any) -> Any:
+        raise redis.exceptions.ConnectionError("Connection refused")
+
+    async with running_app(settings, fake_redis, tokenizer) as (_, client):
+        monkeypatch.setattr(aioredis.client.Pipeline, "execute", redis_away)
+        error = _openai_error(await _upload(client, b"{}\n"), 503)
+        assert "Redis" in error["message"]
+    assert list(settings.files_path().iterdir()) == []
