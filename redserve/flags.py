@@ -149,6 +149,11 @@ FLAGS: tuple[Flag, ...] = (
         float,
     ),
     # scheduler.*
+    Flag("--engine", "scheduler.engine",
+         "torch, or null: no model, for fabric tests and benchmarks (engine/null_runner.py)",
+         choices=("torch", "null")),  # fmt: skip
+    Flag("--null-step-ms", "scheduler.null_step_ms",
+         "the null engine's step time", float, metavar="MS"),  # fmt: skip
     Flag("--device", "scheduler.device", "cpu or cuda"),
     Flag("--dtype", "scheduler.dtype", "auto, float32, bfloat16 or float16"),
     Flag(

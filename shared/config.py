@@ -99,6 +99,11 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 class SchedulerSettings(_Checked):
     worker_id: str = Field(default_factory=_default_instance_id)
+    # "null" is a test and benchmark tool: the same loop, batching and Redis traffic with
+    # no forward; each step sleeps null_step_ms and yields tokens that are a deterministic
+    # function of (prompt, position) (engine/null_runner.py). Batch cap: max_num_seqs.
+    engine: Literal["torch", "null"] = "torch"
+    null_step_ms: float = Field(default=20.0, ge=0)
     # Structured output: xgrammar for every grammar, or llguidance for JSON schemas and
     # regexes (cheaper masks inside bounded strings; EBNF and tool calls stay on xgrammar).
     grammar_backend: Literal["xgrammar", "llguidance"] = "xgrammar"

@@ -1,6 +1,7 @@
 """`python -m workers.scheduler` (or `redserve scheduler`): one scheduler worker.
 
-Wires settings → model files → tokenizer (eos ids, stop-string tails) → model runner →
+Wires settings → model files → tokenizer (eos ids, stop-string tails) → model runner (torch,
+or the null engine: a test and benchmark tool, engine/null_runner.py) →
 core → loop (beating "loading" with a progress text meanwhile: loading.py), then serves until
 SIGINT/SIGTERM: it drains, hands the rest over and exits 0. With --metrics-port it serves its
 own Prometheus metrics (metrics.py) there.
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from shared.config import Settings, get_settings
 from shared.keys import Keys
@@ -28,6 +29,7 @@ from shared.model_files import resolve_model
 from shared.redis_conn import connect
 from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.engine.null_runner import NullModelRunner
 from workers.scheduler.grammar.compiler import GrammarCompiler
 from workers.scheduler.loading import LoadingBeat
 from workers.scheduler.loop import SchedulerLoop
@@ -58,6 +60,39 @@ def build_loop(settings: Settings) -> SchedulerLoop:
     model_path = resolve_model(settings.model, settings.cache_dir)
     logger.info("loading tokenizer from %s", model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    runner: TorchModelRunner | NullModelRunner
+    grammars: GrammarCompiler | None = None  # the null engine cannot constrain: a 400
+    if sched.engine == "null":
+        runner = null_runner(settings, model_path, tokenizer)
+        vocab_size, max_positions = runner.vocab_size, runner.max_positions
+    else:
+        runner = torch_runner(settings, model_path)
+        vocab_size = runner.model.args.vocab_size
+        max_positions = runner.model.args.max_position_embeddings
+        grammars = GrammarCompiler(tokenizer, vocab_size, backend=sched.grammar_backend)
+    config = SchedulerConfig(
+        num_kv_blocks=runner.num_kv_blocks,
+        vocab_size=vocab_size,
+        max_model_len=min(settings.context_length or max_positions, max_positions),
+        block_size=sched.block_size,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        enable_prefix_caching=sched.enable_prefix_caching,
+        background_yields=sched.background_yields,
+        eos_token_ids=eos_token_ids(tokenizer.eos_token_id, model_path),
+    )
+    runner.eos_token_ids = config.eos_token_ids  # masked until min_new_tokens
+    core = Scheduler(config, decode_tail=lambda ids: str(tokenizer.decode(ids)))
+    logger.info(
+        "ready: context %d tokens, eos ids %s", core.max_model_len, sorted(config.eos_token_ids)
+    )
+    redis = connect(settings.redis_url)
+    keys = Keys(settings.key_prefix)
+    return SchedulerLoop(redis, keys, settings, core, runner, model_path, grammars)
+
+
+def torch_runner(settings: Settings, model_path: str) -> TorchModelRunner:
+    sched = settings.scheduler
     # An explicit size caps the KV cache; the memory fraction bounds it in any case.
     max_blocks = sched.num_kv_blocks or -(-sched.kv_cache_tokens // sched.block_size)
     logger.info("loading model weights (%s on %s)", sched.dtype, sched.device)
@@ -75,30 +110,29 @@ def build_loop(settings: Settings) -> SchedulerLoop:
         cuda_graph_max_bs=sched.cuda_graph_batches(),
     )
     runner.cache_dir = settings.cache_dir  # where a reloaded .gguf is converted to
-    args = runner.model.args
-    max_model_len = min(
-        settings.context_length or args.max_position_embeddings, args.max_position_embeddings
-    )
-    config = SchedulerConfig(
-        num_kv_blocks=runner.num_kv_blocks,
-        vocab_size=args.vocab_size,
-        max_model_len=max_model_len,
+    return runner
+
+
+def null_runner(settings: Settings, model_path: str, tokenizer: Any) -> NullModelRunner:
+    """No weights: the model's config for its vocabulary and context, the tokenizer for
+    which ids are special (never emitted, so the text decodes as words)."""
+    sched = settings.scheduler
+    config = AutoConfig.from_pretrained(model_path)
+    max_positions = int(config.max_position_embeddings)
+    # No memory to bound: room for a full batch of full-length requests unless capped.
+    tokens = sched.kv_cache_tokens or sched.max_num_seqs * max_positions
+    runner = NullModelRunner(
+        vocab_size=int(config.vocab_size),
+        num_kv_blocks=sched.num_kv_blocks or -(-tokens // sched.block_size),
         block_size=sched.block_size,
-        max_num_seqs=sched.max_num_seqs,
-        max_num_batched_tokens=sched.max_num_batched_tokens,
-        enable_prefix_caching=sched.enable_prefix_caching,
-        background_yields=sched.background_yields,
-        eos_token_ids=eos_token_ids(tokenizer.eos_token_id, model_path),
+        step_s=sched.null_step_ms / 1000,
+        first_token_id=max(tokenizer.all_special_ids, default=-1) + 1,
+        hidden_size=int(config.hidden_size),
+        max_positions=max_positions,
     )
-    runner.eos_token_ids = config.eos_token_ids  # masked until min_new_tokens
-    core = Scheduler(config, decode_tail=lambda ids: str(tokenizer.decode(ids)))
-    logger.info(
-        "ready: context %d tokens, eos ids %s", core.max_model_len, sorted(config.eos_token_ids)
-    )
-    redis = connect(settings.redis_url)
-    grammars = GrammarCompiler(tokenizer, args.vocab_size, backend=sched.grammar_backend)
-    keys = Keys(settings.key_prefix)
-    return SchedulerLoop(redis, keys, settings, core, runner, model_path, grammars)
+    logger.info("null engine: %.1f ms steps, %d KV blocks, no model (a test and benchmark "
+                "tool)", sched.null_step_ms, runner.num_kv_blocks)  # fmt: skip
+    return runner
 
 
 def eos_token_ids(tokenizer_eos: int | None, model_path: str) -> frozenset[int]:
