@@ -28,6 +28,7 @@ from workers.scheduler.metrics import SchedulerMetrics
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 GPU_OVERRIDE = COMPOSE.parent / "deploy" / "compose.gpu.yaml"
+LOADTEST_OVERRIDE = COMPOSE.parent / "deploy" / "compose.loadtest.yaml"
 FILES_DIR = "/var/lib/redserve/files"
 
 
@@ -103,6 +104,21 @@ def test_the_base_stack_reserves_no_gpu_and_the_override_gives_the_scheduler_one
     assert env.items() >= base["scheduler"]["environment"].items()  # merged, not replaced
     monkeypatch.setenv("REDSERVE_SCHEDULER__DEVICE", env["REDSERVE_SCHEDULER__DEVICE"])
     assert Settings().scheduler.device == "cuda"
+
+
+def test_the_loadtest_override_runs_null_schedulers_and_every_tier_agrees_on_the_shards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    services = _config(LOADTEST_OVERRIDE)["services"]
+    env = services["scheduler"]["environment"]
+    assert env.items() >= _config()["services"]["scheduler"]["environment"].items()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert settings.scheduler.engine == "null" and settings.scheduler.null_step_ms > 0
+    shards = {services[n]["environment"].get("REDSERVE_NUM_TOKEN_SHARDS") for n in
+              ("api", "scheduler", "detokenizer", "jobs")}  # fmt: skip
+    assert shards == {str(settings.num_token_shards)}
 
 
 def test_jobs_is_checked_for_health_and_shares_the_file_store_with_the_api(

@@ -1,13 +1,17 @@
-"""A scheduler's own figures (workers/scheduler/metrics.py): its step histograms as its
---metrics-port serves them, and the recent generation throughput its heartbeat reports."""
+"""A scheduler's own figures (workers/scheduler/metrics.py): its step and iteration histograms
+as its --metrics-port serves them, and the recent generation throughput its heartbeat reports."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.embedded_redis import free_port
+from shared.keys import Keys
+from tests.support.scheduler_loop import ScriptedRunner, make_loop, submit
 from workers.scheduler.metrics import SchedulerMetrics, serve_metrics
 
 
@@ -43,3 +47,23 @@ def test_the_metrics_port_serves_the_step_histograms() -> None:
     assert samples[("redserve:batch_size_bucket", (("le", "4.0"), worker))] == 1
     assert samples[("redserve:batch_size_bucket", (("le", "8.0"), worker))] == 3
     assert samples[("redserve:scheduler_generation_tokens_total", (worker,))] == 17
+
+
+async def test_the_loop_times_each_stepping_iteration_and_its_part_outside_the_step(
+    fake_redis: Any, keys: Keys
+) -> None:
+    class SlowRunner(ScriptedRunner):
+        def run(self, seqs: list[Any]) -> list[int]:
+            time.sleep(0.01)  # a step that is certainly longer than the fakeredis calls
+            return super().run(seqs)
+
+    loop = make_loop(fake_redis, keys, SlowRunner())
+    await submit(fake_redis, keys, "a", max_new_tokens=3)
+    await loop.run(burst=True)
+    iterations = loop.metrics.iteration_time.collect()[0].samples
+    fabric = loop.metrics.fabric_time.collect()[0].samples
+    count = {s.name: s.value for s in iterations}["redserve:iteration_time_seconds_count"]
+    wall = {s.name: s.value for s in iterations}["redserve:iteration_time_seconds_sum"]
+    outside = {s.name: s.value for s in fabric}["redserve:iteration_fabric_seconds_sum"]
+    assert count == 3  # one per step, none for the idle iterations
+    assert 0 < outside < wall - 3 * 0.01

@@ -1,4 +1,5 @@
-"""A scheduler's own figures: Prometheus histograms of its model steps (time, batch size),
+"""A scheduler's own figures: Prometheus histograms of its model steps (time, batch size) and
+of its stepping iterations (wall time, and the share outside the step: Redis and bookkeeping),
 served on `--metrics-port` when one is set, and its recent generation throughput, which its
 heartbeat reports (`gen_throughput`, what the api's /metrics shows per worker).
 
@@ -36,6 +37,17 @@ class SchedulerMetrics:
             PREFIX + "batch_size", "Sequences in one model step.", labels,
             buckets=BATCH_BUCKETS, registry=reg,
         ).labels(worker_id)  # fmt: skip
+        # A stepping iteration's wall time, and the part of it spent outside the step: on
+        # Redis (jobs read, the step's transaction, publishes) and the loop's bookkeeping.
+        self.iteration_time = Histogram(
+            PREFIX + "iteration_time_seconds", "Wall time of one loop iteration with a step.",
+            labels, buckets=STEP_BUCKETS, registry=reg,
+        ).labels(worker_id)  # fmt: skip
+        self.fabric_time = Histogram(
+            PREFIX + "iteration_fabric_seconds",
+            "Time of one loop iteration with a step spent outside the step (Redis, bookkeeping).",
+            labels, buckets=STEP_BUCKETS, registry=reg,
+        ).labels(worker_id)  # fmt: skip
         self.generated = Counter(
             PREFIX + "scheduler_generation_tokens", "Tokens sampled by this scheduler.", labels,
             registry=reg,
@@ -57,6 +69,11 @@ class SchedulerMetrics:
             self._recent.append((time.monotonic() if now is None else now, num_sampled))
             self._recent_sum += num_sampled
         self._prune(time.monotonic() if now is None else now)
+
+    def observe_iteration(self, seconds: float, fabric_seconds: float) -> None:
+        """One loop iteration that ran a step: its wall time, and the part outside the step."""
+        self.iteration_time.observe(seconds)
+        self.fabric_time.observe(fabric_seconds)
 
     def gen_throughput(self, now: float | None = None) -> float:
         """Tokens sampled per second over the last `window_s`."""
