@@ -77,12 +77,15 @@ class FileStore:
         file_id: str,
         filename: str,
         purpose: str,
-        expires_at: int | None = None,
+        expires_after_s: int | None = None,
     ) -> FileRecord:
-        """Publish `{file_id}.part` (written completely) as a file: rename, then record."""
+        """Publish `{file_id}.part` (written completely) as a file: rename, then record.
+        It expires `expires_after_s` after its creation (OpenAI's anchor `created_at`)."""
         part, final = self.part_path(file_id), self.path(file_id)
         size = await asyncio.to_thread(_publish, part, final)
-        record = FileRecord(file_id, size, int(time.time()), filename, purpose, expires_at)
+        created_at = int(time.time())
+        expires_at = None if expires_after_s is None else created_at + expires_after_s
+        record = FileRecord(file_id, size, created_at, filename, purpose, expires_at)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.file(file_id), mapping=record.to_hash())
             # Listed by the time to the microsecond: created_at (seconds) ties within a second.

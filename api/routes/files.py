@@ -6,7 +6,6 @@ still being received."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import IO, Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -62,7 +61,7 @@ async def upload_file(request: Request, store: StoreDep) -> dict[str, Any]:
     except MultiPartException as e:
         raise BadRequest(f"Invalid multipart body: {e.message}") from None
     try:
-        upload, purpose, expires_at = _read_form(dict(form))
+        upload, purpose, expires_after_s = _read_form(dict(form))
         if upload.size is not None and upload.size > limit:
             raise BodyTooLarge(limit)
         file_id = new_file_id()
@@ -75,7 +74,7 @@ async def upload_file(request: Request, store: StoreDep) -> dict[str, Any]:
             await store.discard_part(file_id)
             raise
         try:
-            record = await store.add(file_id, upload.filename or "file", purpose, expires_at)
+            record = await store.add(file_id, upload.filename or "file", purpose, expires_after_s)
         except REDIS_ERRORS as e:  # published but not recorded: nothing would name it
             await store.discard(file_id)
             raise unavailable(e, "Redis is unavailable.") from e
@@ -114,7 +113,7 @@ def _read_form(form: dict[str, Any]) -> tuple[UploadFile, str, int | None]:
     if not _MIN_EXPIRY_S <= value <= _MAX_EXPIRY_S:
         raise BadRequest(f"expires_after[seconds] must be an integer from {_MIN_EXPIRY_S} to "
                          f"{_MAX_EXPIRY_S}.", param="expires_after.seconds")  # fmt: skip
-    return upload, str(purpose), int(time.time()) + value
+    return upload, str(purpose), value
 
 
 def _copy(source: IO[bytes], out: IO[bytes], limit: int) -> None:

@@ -51,9 +51,9 @@ async def test_sweep_drops_expired_files_stale_parts_and_lapsed_slots(
     ctx: dict[str, Any], real_redis: aioredis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
     store = FileStore(real_redis, keys, tmp_path)
-    for file_id, expires_at in (("file-old", int(time.time()) - 1), ("file-keep", None)):
+    for file_id, expires_after_s in (("file-old", -1), ("file-keep", None)):
         await store.fill(file_id, lambda f: f.write(b"{}\n"))
-        await store.add(file_id, "x.jsonl", "batch", expires_at)
+        await store.add(file_id, "x.jsonl", "batch", expires_after_s)
     stale, fresh = tmp_path / "file-crash.part", tmp_path / "file-upload.part"
     stale.write_bytes(b"x")
     fresh.write_bytes(b"y")
