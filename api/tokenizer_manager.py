@@ -22,7 +22,7 @@ from api.aborts import Aborts
 from api.admission import Admission
 from api.claims import RidClaims
 from api.errors import BadRequest, ServiceUnavailable
-from api.event_log import EventLog
+from api.event_log import Appends, EventLog
 from api.gaps import GapFiller
 from api.handover import Handover
 from api.liveness import Maintenance
@@ -76,6 +76,7 @@ class TokenizerManager:
         }
         self._tasks: set[asyncio.Task[None]] = set()
         self.claims = RidClaims(redis, self.keys, self.api_id, self.spawn)
+        self.log_appends = Appends(redis, self.keys)  # every stream's event-log appends
         self.admission = Admission(settings.api, redis, self.keys, self.spawn)
         self.aborts = Aborts(self)
         self.gaps = GapFiller(self)
@@ -233,7 +234,7 @@ class TokenizerManager:
 
     def event_log(self, rid: str, attach_id: str, next_id: int = 0) -> EventLog:
         return EventLog(self.redis, self.keys, rid, attach_id, next_id,
-                        self.maintenance.redis_down)  # fmt: skip
+                        self.maintenance.redis_down, self.log_appends)  # fmt: skip
 
     async def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Token ids of `messages` through the tokenizer's chat template (off the event loop)."""

@@ -105,9 +105,19 @@ async def append_events(
     """Append `records` as events first_id.. of rid's log, if `attach_id` still owns it and
     the log has exactly first_id events: APPENDED, LOST (taken over), DIVERGED (the log
     does not end there) or GONE (no state: expired, or a Redis that lost its data)."""
-    script = r.register_script(_APPEND)
+    async with r.pipeline(transaction=False) as pipe:
+        await queue_append(pipe, keys, rid, attach_id, first_id, records)
+        (result,) = await pipe.execute()
+    return int(result)
+
+
+async def queue_append(
+    pipe: Pipe, keys: Keys, rid: str, attach_id: str, first_id: int, records: list[bytes]
+) -> None:
+    """Queue `append_events` on a pipeline (its reply: the same codes)."""
+    script = pipe.register_script(_APPEND)
     args: list[bytes | str | int] = [attach_id, first_id, EVENTS_TTL_S, *records]
-    return int(await script(keys=[keys.state(rid), keys.events(rid)], args=args))
+    await script(keys=[keys.state(rid), keys.events(rid)], args=args, client=pipe)
 
 
 async def read_events(r: aioredis.Redis, keys: Keys, rid: str) -> list[bytes]:

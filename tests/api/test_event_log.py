@@ -5,10 +5,13 @@ the log as of that moment; an abort is written only where the request is still h
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 import redis.asyncio as aioredis
 
-from api.event_log import EventLog, Lost, decode_records
+from api.event_log import Appends, EventLog, Lost, decode_records
 from api.renderers import Event, Mark
 from shared import reattach
 from shared.keys import Keys
@@ -70,3 +73,35 @@ async def test_aborts_are_written_only_where_the_request_is_still_held(
     assert await reattach.abort_if_held(fake_redis, keys, RIDS, "a", ("r_0", "a/1")) == ["r_0"]
     assert await fake_redis.exists(keys.abort("r_0"))
     assert not await fake_redis.exists(keys.abort("r_1"))  # it had finished
+
+
+async def test_the_appends_of_many_streams_share_one_round_trip_and_fail_alone(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    async with fake_redis.pipeline(transaction=True) as pipe:
+        for i in range(8):
+            pipe.hset(keys.state(f"s{i}"), mapping={"status": "running", "api_id": "a"})
+            reattach.save_stream(pipe, keys, [f"s{i}"], '{"kind":"generate"}', f"a/{i}")
+        await pipe.execute()
+    appends = Appends(fake_redis, keys)
+    sent: list[int] = []
+    send = appends._send
+
+    async def counted(batch: list[Any]) -> None:
+        sent.append(len(batch))
+        await send(batch)
+
+    appends._send = counted  # type: ignore[method-assign]
+    logs = [EventLog(fake_redis, keys, f"s{i}", f"a/{i}", appends=appends) for i in range(8)]
+    logs[3].attach_id = "b/1"  # another replica took this one over
+    results = await asyncio.gather(
+        *(log.append([Event(b"data: %d\n\n" % i)]) for i, log in enumerate(logs)),
+        return_exceptions=True,
+    )
+    assert sent == [8]  # one pipeline for the eight streams
+    assert isinstance(results[3], Lost)
+    assert [r for i, r in enumerate(results) if i != 3] == [
+        [(0, b"id: 0\ndata: %d\n\n" % i)] for i in range(8) if i != 3
+    ]
+    for i in range(8):
+        assert len(await reattach.read_events(fake_redis, keys, f"s{i}")) == (i != 3)
