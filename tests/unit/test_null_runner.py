@@ -9,11 +9,21 @@ from typing import Any
 
 from shared.protocol import LogprobRequest, SamplingParams
 from tests.support.core import drive
-from tests.unit.test_scheduler_core import VOCAB, make_core
+from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from workers.scheduler.core.sequence import Sequence
 from workers.scheduler.engine.null_runner import NullModelRunner, null_token, prompt_digest
 
 FIRST_ID = 17  # ids below are "special"
+VOCAB = 100
+
+
+def make_core(**overrides: Any) -> Scheduler:
+    config: dict[str, Any] = dict(
+        num_kv_blocks=64, vocab_size=VOCAB, max_model_len=256, block_size=4, max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
+    return Scheduler(SchedulerConfig(**{**config, **overrides}, eos_token_ids=frozenset({2})),
+                     lambda ids: "".join(f"<{i}>" for i in ids))  # fmt: skip
 
 
 def _runner() -> NullModelRunner:
