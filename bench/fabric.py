@@ -96,7 +96,7 @@ def measure(fleet: BenchFleet, cfg: Config, args: argparse.Namespace) -> dict[st
     meter = CpuMeter({n: p.pid for n, p in fleet.procs.items()}, fleet.redis(), metrics_urls)
     rss_idle = {n: psutil_rss(p.pid) for n, p in fleet.procs.items() if n.startswith("api")}
     report = run_clients(
-        urls, cfg.clients, args.duration, args.output_len, args.client_procs, meter
+        urls, cfg.clients, args.duration, args.output_len, args.client_procs, meter, args.ramp_s
     )
     cores = {**meter.stop(), "clients": report.client_cores}
     wall = report.wall_s
@@ -163,6 +163,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds measured")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--client-procs", type=int, default=1)
+    parser.add_argument("--ramp-s", type=float, default=3.0, help="the clients arrive over this")
     args = parser.parse_args()
     configs = [Config.parse(c) for c in args.config]
     if args.real:

@@ -1,8 +1,9 @@
 """bench/fabric.py's clients: C closed-loop streaming clients (`/v1/completions`, random
 32-token prompts, `ignore_eos`), spread over the api replicas and over `procs` processes so
-the clients themselves are not the first thing to saturate. They ramp up over RAMP_S, then
+the clients themselves are not the first thing to saturate. They ramp up over `ramp_s`, then
 the window of `duration` seconds is measured: the text events that arrived in it, the
-requests that finished in it, TTFT and the gaps between events (ITL) of those requests."""
+requests that finished in it, TTFT and the gaps between events (ITL) of those requests.
+The clients arrive evenly over the ramp (`ramp_s`), each one's first request at its arrival."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-RAMP_S = 3.0
+RAMP_S = 3.0  # the default: how long the clients take to arrive
 SETTLE_S = 1.0  # after the ramp, before the window opens
 MAX_SAMPLES = 200_000  # latencies each client process sends back at most
 
@@ -50,16 +51,17 @@ def run_clients(
     output_len: int,
     procs: int,
     meter: Meter | None = None,
+    ramp_s: float = RAMP_S,
 ) -> ClientReport:
     procs = max(1, min(procs, clients))
     ctx = multiprocessing.get_context("spawn")
     queue: multiprocessing.Queue[dict[str, Any]] = ctx.Queue()
     start_at = time.time() + 2.0  # the processes' start-up
-    window = (start_at + RAMP_S + SETTLE_S, start_at + RAMP_S + SETTLE_S + duration)
+    window = (start_at + ramp_s + SETTLE_S, start_at + ramp_s + SETTLE_S + duration)
     workers = [
         ctx.Process(target=_client_process,
                     args=(urls, list(range(i, clients, procs)), window, output_len, start_at,
-                          clients, queue))  # fmt: skip
+                          ramp_s / clients, queue))  # fmt: skip
         for i in range(procs)
     ]
     for w in workers:
@@ -103,10 +105,10 @@ def _client_process(
     window: tuple[float, float],
     output_len: int,
     start_at: float,
-    clients: int,
+    gap_s: float,
     queue: multiprocessing.Queue[dict[str, Any]],
 ) -> None:
-    stats = asyncio.run(_clients(urls, ids, window, output_len, start_at, clients))
+    stats = asyncio.run(_clients(urls, ids, window, output_len, start_at, gap_s))
     for name in ("ttft", "itl"):
         if len(stats[name]) > MAX_SAMPLES:
             stats[name] = random.sample(stats[name], MAX_SAMPLES)
@@ -115,7 +117,7 @@ def _client_process(
 
 async def _clients(
     urls: list[str], ids: list[int], window: tuple[float, float], output_len: int,
-    start_at: float, clients: int,
+    start_at: float, gap_s: float,
 ) -> dict[str, Any]:  # fmt: skip
     stats: dict[str, Any] = dict(events=0, requests=0, errors=0, finished_tokens=0,
                                  finished_events=0, ttft=[], itl=[])  # fmt: skip
@@ -124,7 +126,7 @@ async def _clients(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = [
             asyncio.create_task(_one_client(session, urls[i % len(urls)], window, output_len,
-                                            start_at + RAMP_S * i / clients, stats))  # fmt: skip
+                                            start_at + gap_s * i, stats))  # fmt: skip
             for i in ids
         ]
         await asyncio.sleep(max(0.0, window[0] - time.time()))

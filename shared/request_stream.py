@@ -74,6 +74,8 @@ async def read(
     default band's read blocks (for `block_ms`), and only when the high band had none.
     Undecodable entries come back as None so the caller can ack them (a bad job must not
     be redelivered forever)."""
+    if block_ms is None:  # busy: every band in one round trip
+        return await _read_bands(r, keys, consumer, count)
     out: list[Job] = []
     for band in PRIORITY_BANDS:
         if len(out) >= count:
@@ -81,6 +83,46 @@ async def read(
         block = block_ms if band == "" and not out else None
         out += await _read_band(r, keys, band, consumer, count - len(out), block)
     return out
+
+
+# KEYS: the band streams, highest first. ARGV: group, consumer, count. XREADGROUP on each
+# band in turn until `count` entries were read; the replies, one per band that had any.
+_READ_BANDS = """
+local left = tonumber(ARGV[3])
+local out = {}
+for i = 1, #KEYS do
+  if left <= 0 then break end
+  local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left,
+                         'STREAMS', KEYS[i], '>')
+  if got then
+    local entries = got[1][2]
+    left = left - #entries
+    table.insert(out, {i, entries})
+  end
+end
+return out
+"""
+
+
+async def _read_bands(r: aioredis.Redis, keys: Keys, consumer: str, count: int) -> list[Job]:
+    streams = [keys.request_stream_of(band) for band in PRIORITY_BANDS]
+    try:
+        script = r.register_script(_READ_BANDS)
+        replies = await script(keys=streams, args=[SCHEDULER_GROUP, consumer, count])
+    except ResponseError as e:
+        if "NOGROUP" not in str(e):
+            raise
+        await ensure_group(r, keys)
+        return []
+    return [
+        (ref(PRIORITY_BANDS[int(i) - 1], entry_id), _decode_job(entry_id, _pairs(fields)))
+        for i, entries in replies
+        for entry_id, fields in entries
+    ]
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 async def _read_band(

@@ -230,6 +230,25 @@ async def test_schedulers_take_the_highest_priority_band_first(
     assert [await fake_redis.xlen(s) for s in keys.request_streams] == [0, 0, 0]
 
 
+async def test_a_busy_read_takes_the_bands_in_order_up_to_its_count_in_one_call(
+    fake_redis: aioredis.Redis, keys: Keys
+) -> None:
+    await request_stream.ensure_group(fake_redis, keys)
+    for rid, priority in (("low", -5), ("n1", 0), ("n2", 0), ("high", 3)):
+        job = protocol.GenerateJob(rid=rid, input_ids=[10], priority=priority,
+                                   sampling=protocol.SamplingParams(max_new_tokens=1),
+                                   detok=protocol.DetokParams(api_id="api-1"))  # fmt: skip
+        pipe = fake_redis.pipeline()
+        request_stream.submit(pipe, keys, job)
+        await pipe.execute()
+    first = await request_stream.read(fake_redis, keys, "w1", 2, block_ms=None)
+    rest = await request_stream.read(fake_redis, keys, "w1", 8, block_ms=None)
+    assert [job.rid for _, job in first if job] == ["high", "n1"]
+    assert [job.rid for _, job in rest if job] == ["n2", "low"]
+    assert [ref.startswith(b"low/") for ref, _ in rest] == [False, True]
+    assert await request_stream.read(fake_redis, keys, "w1", 8, block_ms=None) == []
+
+
 async def test_a_dead_schedulers_job_is_reclaimed_from_its_band(
     fake_redis: aioredis.Redis, keys: Keys
 ) -> None:
