@@ -17,6 +17,9 @@ ever dropped: a refused request was never submitted).
    replica waits for the request's outputs, renewed every RENEW_EVERY_S, and released when
    they end, however they end.
 
+3. The replica's own load (api.loop_lag): while its event loop runs late, new requests
+   get a 503 before any Redis work, so the streams already open keep the core.
+
 The client of a request is the digest of its bearer key, which api.middleware.EdgeGuard
 puts in CLIENT (a context variable: the route and the TokenizerManager run in the request's
 task); without API keys configured, every request is shared.limits.ANONYMOUS."""
@@ -37,6 +40,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from api.errors import ServiceUnavailable, TooManyRequests
+from api.loop_lag import LoopLag
 from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, unavailable
 from shared import heartbeat, limits
 from shared.config import ApiSettings
@@ -200,7 +204,15 @@ class KeyLimiter:
 
 
 class Admission:
-    def __init__(self, api: ApiSettings, redis: aioredis.Redis, keys: Keys, spawn: Spawn) -> None:
+    def __init__(
+        self,
+        api: ApiSettings,
+        redis: aioredis.Redis,
+        keys: Keys,
+        spawn: Spawn,
+        loop_lag: LoopLag | None = None,
+    ) -> None:
+        self.loop_lag = loop_lag or LoopLag()
         self.queue = QueueBound(redis, keys, api.max_queued_requests)
         key_limits = limits.KeyLimits(
             api.rate_limit_rps, api.rate_limit_burst, api.max_concurrent_requests_per_key
@@ -210,7 +222,13 @@ class Admission:
 
     async def admit(self, num_jobs: int) -> Ticket:
         """Admit one HTTP request of `num_jobs` jobs, or raise the 503 (queue full) or the
-        429 (its key's limits) before anything is written."""
+        429 (its key's limits) before anything is written; a 503 at once while this
+        replica's event loop lags (api.loop_lag: it is overloaded)."""
+        if self.loop_lag.overloaded():
+            lag = self.loop_lag.lag_s()
+            raise ServiceUnavailable(f"This api replica is overloaded (its event loop runs "
+                                     f"{lag:.1f} s late); try again later or another replica.",
+                                     retry_after=1)  # fmt: skip
         await self.queue.reserve(num_jobs)
         try:
             slot = await self.limiter.acquire(CLIENT.get())

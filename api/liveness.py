@@ -19,6 +19,7 @@ from typing import Protocol
 
 from api.aborts import Aborts
 from api.host import Core
+from api.loop_lag import LoopLag
 from api.orphans import ORPHAN_SCAN_S, OrphanReaper
 from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, is_oom
 from api.result_listener import ResultListener
@@ -35,6 +36,7 @@ REDIS_OUTAGE_S = 5.0
 class Host(Core, Protocol):
     listener: ResultListener
     aborts: Aborts
+    loop_lag: LoopLag
 
 
 class Maintenance:
@@ -106,6 +108,10 @@ class Maintenance:
                     reattach.refresh(pipe, tm.keys, tm.api_id)
                     await pipe.execute()
         except REDIS_ERRORS as e:
+            if isinstance(e, TimeoutError) and tm.loop_lag.overloaded():
+                logger.warning("heartbeat timed out while the event loop ran %.1f s late: "
+                               "overloaded, not a Redis outage", tm.loop_lag.lag_s())  # fmt: skip
+                return
             if not is_oom(e):  # full, not gone: the EXPIREs still refreshed the keys
                 if not self.failing_since:
                     logger.warning("Redis unreachable (heartbeat failed): %r", e)

@@ -26,6 +26,7 @@ from api.event_log import Appends, EventLog
 from api.gaps import GapFiller
 from api.handover import Handover
 from api.liveness import Maintenance
+from api.loop_lag import LoopLag
 from api.metrics import ApiMetrics
 from api.model import ModelInfo
 from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, unavailable
@@ -77,22 +78,21 @@ class TokenizerManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self.claims = RidClaims(redis, self.keys, self.api_id, self.spawn)
         self.log_appends = Appends(redis, self.keys)  # every stream's event-log appends
-        self.admission = Admission(settings.api, redis, self.keys, self.spawn)
+        self.loop_lag = LoopLag()  # how late this event loop runs: overload, not outages
+        self.admission = Admission(settings.api, redis, self.keys, self.spawn, self.loop_lag)
         self.aborts = Aborts(self)
         self.gaps = GapFiller(self)
         self.maintenance = Maintenance(self)
         self.pumps: set[ResponsePump] = set()
         self.draining = False
         api = settings.api
-        self.tok = TextTokenizer(
-            model.tokenizer,
-            batch_size=api.tokenizer_batch_size,
-            timeout_s=api.tokenizer_batch_timeout_s,
-        )
+        self.tok = TextTokenizer(model.tokenizer, batch_size=api.tokenizer_batch_size,
+                                 timeout_s=api.tokenizer_batch_timeout_s)  # fmt: skip
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         await self.listener.start()
+        self.loop_lag.start()
         self.maintenance.start()
         self.admission.start()
 
@@ -102,6 +102,7 @@ class TokenizerManager:
         await self.shed()
         await self.maintenance.stop()
         await self.admission.stop()
+        await self.loop_lag.stop()
         await self.listener.stop()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=3 * REDIS_TIMEOUT_S)

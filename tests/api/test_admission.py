@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.admission import REFRESH_S
+from api.loop_lag import OVERLOAD_LAG_S, WINDOW_S, LoopLag
 from shared import heartbeat, limits
 from shared.config import Settings
 from shared.keys import Keys
@@ -206,3 +208,35 @@ async def test_a_request_past_its_timeout_ends_with_a_504(
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["message"] == "The request exceeded its timeout of 0.1 s."
+
+
+async def test_an_overloaded_replica_sheds_new_requests_and_keeps_its_redis(
+    settings: Settings, fake_redis: aioredis.Redis, tokenizer: Any, scripted: ScriptedBackend,
+    keys: Keys, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    async with running_app(settings, fake_redis, tokenizer) as (app, client):
+        tm = app.state.manager
+        tm.loop_lag.observe(OVERLOAD_LAG_S + 0.2, time.monotonic())  # its loop ran late
+        resp = await client.post("/generate", json=gen("shed"))
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert "overloaded" in resp.json()["error"]["message"]
+        assert "shed" not in scripted.jobs
+        assert not await fake_redis.exists(keys.state("shed"), keys.rid_claim("shed"))
+
+        async def timed_out(*args: Any, **kwargs: Any) -> Any:
+            raise TimeoutError
+
+        # A heartbeat that times out meanwhile is the load, not a Redis outage.
+        monkeypatch.setattr(aioredis.client.Pipeline, "execute", timed_out)
+        await tm.maintenance._beat()
+        assert tm.maintenance.failing_since == 0.0
+        monkeypatch.undo()
+
+
+def test_the_loop_lag_is_the_worst_of_the_last_window() -> None:
+    lag = LoopLag()
+    lag.observe(0.7, now=10.0)
+    lag.observe(0.1, now=11.0)
+    assert lag.lag_s(now=11.5) == 0.7 and lag.overloaded(now=11.5)
+    assert lag.lag_s(now=10.0 + WINDOW_S + 0.5) == 0.1  # the late one left the window
+    assert not lag.overloaded(now=10.0 + WINDOW_S + 0.5)
