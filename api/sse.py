@@ -31,6 +31,20 @@ async def _until_disconnect(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes
         return  # nobody is listening: not even [DONE]
 
 
+def server_watches_disconnect(request: object) -> bool:
+    """Whether a disconnect cancels the response without our polling: Starlette's
+    StreamingResponse listens for it itself when the server speaks ASGI below 2.4 (uvicorn
+    says 2.3); from 2.4 on it learns of it only when a send fails."""
+    scope = getattr(request, "scope", None)
+    if not isinstance(scope, dict):
+        return False
+    version = scope.get("asgi", {}).get("spec_version", "2.0")
+    try:
+        return tuple(int(part) for part in str(version).split(".")) < (2, 4)
+    except ValueError:
+        return False
+
+
 def response(chunks: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(
         _until_disconnect(chunks),

@@ -142,15 +142,20 @@ async def sse_body(
 ) -> AsyncIterator[bytes]:
     """The HTTP side: `replay` (logged events), then the pump's events with ids > after.
     However it ends (client gone, cancelled), the pump is told, and goes on alone."""
+    # Polled only where the server does not watch for it (Starlette cancels this body on a
+    # disconnect itself below ASGI 2.4): a poll per idle stream was the api's largest cost
+    # at thousands of slow streams.
     check_s = pump.tm.settings.api.disconnect_check_s
+    poll = request if request is not None and not sse.server_watches_disconnect(request) else None
     try:
         for data in replay:
             yield data
         while True:
             try:
-                item = await asyncio.wait_for(pump.queue.get(), timeout=check_s)
+                async with asyncio.timeout(check_s if poll is not None else None):
+                    item = await pump.queue.get()
             except TimeoutError:
-                if request is not None and await request.is_disconnected():
+                if poll is not None and await poll.is_disconnected():
                     return
                 continue
             if item is None:

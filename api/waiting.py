@@ -45,7 +45,8 @@ async def wait_one(
     last_check = time.monotonic()
     while True:
         try:
-            await asyncio.wait_for(state.event.wait(), timeout=check_s)
+            async with asyncio.timeout(check_s):  # no task per wait, as wait_for makes
+                await state.event.wait()
         except TimeoutError:
             await check_alive(tm, state, request)
             last_check = time.monotonic()

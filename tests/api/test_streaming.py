@@ -9,8 +9,10 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 
+from api import sse
 from api.req_state import GenerateReq, ReqState
 from shared import protocol
 from shared.config import Settings
@@ -180,3 +182,18 @@ async def test_chat_stream_with_n_opens_each_choice(
         )
         assert text == reply(tokenizer, backend, 5)
     assert all("usage" not in c or c["usage"] is None for c in chunks)
+
+
+@pytest.mark.parametrize(
+    ("asgi", "watched"),
+    [({"version": "3.0", "spec_version": "2.3"}, True), ({"version": "3.0"}, True),
+     ({"version": "3.0", "spec_version": "2.4"}, False), ({"spec_version": "x"}, False)],
+)  # fmt: skip
+def test_the_disconnect_poll_is_left_to_starlette_only_below_asgi_2_4(
+    asgi: dict[str, str], watched: bool
+) -> None:
+    class Request:
+        scope = {"type": "http", "asgi": asgi}
+
+    assert sse.server_watches_disconnect(Request()) is watched
+    assert sse.server_watches_disconnect(object()) is False  # no scope: poll
