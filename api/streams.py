@@ -151,13 +151,16 @@ async def sse_body(
         for data in replay:
             yield data
         while True:
-            try:
-                async with asyncio.timeout(check_s if poll is not None else None):
-                    item = await pump.queue.get()
-            except TimeoutError:
-                if poll is not None and await poll.is_disconnected():
-                    return
-                continue
+            if poll is None:
+                item = await pump.queue.get()
+            else:
+                try:
+                    async with asyncio.timeout(check_s):
+                        item = await pump.queue.get()
+                except TimeoutError:
+                    if await poll.is_disconnected():
+                        return
+                    continue
             if item is None:
                 return
             event_id, data = item

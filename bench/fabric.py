@@ -108,7 +108,7 @@ def measure(fleet: BenchFleet, cfg: Config, args: argparse.Namespace) -> dict[st
         "generated tok/s": sum(s.generated for s in meter.schedulers) / wall,
         "delivered tok/s": report.tokens / wall,
         "req/s": report.requests / wall,
-        "errors": report.errors,
+        "errors": _errors(report.error_kinds),
         "TTFT p50 +": report.pct("ttft", 50) - step_s,
         "TTFT p99 +": report.pct("ttft", 99) - step_s,
         "ITL p50 +": report.pct("itl", 50) - step_s,
@@ -120,6 +120,10 @@ def measure(fleet: BenchFleet, cfg: Config, args: argparse.Namespace) -> dict[st
         "fabric share": max((s.fabric_share for s in meter.schedulers), default=0.0),
         "saturated": bottleneck(cores, os.cpu_count() or 1),
     }
+
+
+def _errors(kinds: dict[str, int]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
 def psutil_rss(pid: int) -> int:

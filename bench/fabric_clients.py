@@ -1,8 +1,8 @@
 """bench/fabric.py's clients: C closed-loop streaming clients (`/v1/completions`, random
 32-token prompts, `ignore_eos`), spread over the api replicas and over `procs` processes so
 the clients themselves are not the first thing to saturate. They ramp up over `ramp_s`, then
-the window of `duration` seconds is measured: the text events that arrived in it, the
-requests that finished in it, TTFT and the gaps between events (ITL) of those requests.
+the window of `duration` seconds is measured: the text events that arrived in it (TTFT for
+a first event, else the gap since the one before: ITL) and the requests that finished in it.
 The clients arrive evenly over the ramp (`ramp_s`), each one's first request at its arrival."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class ClientReport:
     tokens: int = 0  # events x the tokens per event of the finished requests
     requests: int = 0
     errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
     client_cores: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=lambda: {"ttft": [], "itl": []})
 
@@ -90,12 +91,16 @@ def _merge(parts: list[dict[str, Any]], duration: float) -> ClientReport:
         report.events += part["events"]
         report.requests += part["requests"]
         report.errors += part["errors"]
+        for kind, n in part["error_kinds"].items():
+            report.error_kinds[kind] = report.error_kinds.get(kind, 0) + n
         report.client_cores += part["cpu_s"] / duration
         tokens += part["finished_tokens"]
         events_of_finished += part["finished_events"]
         for name in report.samples:
             report.samples[name] += part[name]
-    report.tokens = round(report.events * tokens / max(1, events_of_finished))
+    # Tokens per text event as the finished requests had them (1 when none finished yet).
+    per_event = tokens / events_of_finished if events_of_finished else 1.0
+    report.tokens = round(report.events * per_event)
     return report
 
 
@@ -120,7 +125,7 @@ async def _clients(
     start_at: float, gap_s: float,
 ) -> dict[str, Any]:  # fmt: skip
     stats: dict[str, Any] = dict(events=0, requests=0, errors=0, finished_tokens=0,
-                                 finished_events=0, ttft=[], itl=[])  # fmt: skip
+                                 finished_events=0, ttft=[], itl=[], error_kinds={})  # fmt: skip
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -153,8 +158,8 @@ async def _one_client(
         }  # fmt: skip
         try:
             await _one_request(session, url, body, window, stats)
-        except (aiohttp.ClientError, OSError, json.JSONDecodeError):
-            stats["errors"] += 1
+        except (aiohttp.ClientError, OSError, json.JSONDecodeError) as e:
+            _error(stats, type(e).__name__)
             await asyncio.sleep(0.1)
 
 
@@ -163,29 +168,32 @@ async def _one_request(
     window: tuple[float, float], stats: dict[str, Any],
 ) -> None:  # fmt: skip
     sent = time.time()
-    times: list[float] = []
-    tokens = 0
+    num_events = tokens = 0
+    last = 0.0
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
-            stats["errors"] += 1
+            _error(stats, f"HTTP {resp.status}")
             await resp.read()
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(float(resp.headers.get("retry-after", 0.1)))
             return
         async for line in resp.content:
             if not line.startswith(b"data: {"):
                 continue
             if b'"text":"' in line and b'"text":""' not in line:
                 now = time.time()
-                times.append(now)
-                if window[0] <= now <= window[1]:
+                num_events += 1
+                if window[0] <= now <= window[1]:  # latencies of what arrived in the window
                     stats["events"] += 1
+                    stats["itl" if last else "ttft"].append(now - (last or sent))
+                last = now
             elif b'"usage":{' in line:
                 tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-    done = time.time()
-    if not (window[0] <= done <= window[1]) or not times:
-        return
-    stats["requests"] += 1
-    stats["finished_tokens"] += tokens
-    stats["finished_events"] += len(times)
-    stats["ttft"].append(times[0] - sent)
-    stats["itl"] += [b - a for a, b in zip(times, times[1:], strict=False)]
+    if window[0] <= time.time() <= window[1] and num_events:
+        stats["requests"] += 1
+        stats["finished_tokens"] += tokens
+        stats["finished_events"] += num_events
+
+
+def _error(stats: dict[str, Any], kind: str) -> None:
+    stats["errors"] += 1
+    stats["error_kinds"][kind] = stats["error_kinds"].get(kind, 0) + 1
