@@ -14,6 +14,8 @@ band (so ids of different streams never mix); `locate` turns a ref back into str
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -106,19 +108,25 @@ return out
 
 async def _read_bands(r: aioredis.Redis, keys: Keys, consumer: str, count: int) -> list[Job]:
     streams = [keys.request_stream_of(band) for band in PRIORITY_BANDS]
+    script = r.register_script(_READ_BANDS)
+    args: list[str | int] = [SCHEDULER_GROUP, consumer, count]
+    replies = await _in_group(r, keys, script(keys=streams, args=args))
+    return [
+        (ref(PRIORITY_BANDS[int(i) - 1], entry_id), _decode_job(entry_id, _pairs(fields)))
+        for i, entries in replies or []
+        for entry_id, fields in entries
+    ]
+
+
+async def _in_group(r: aioredis.Redis, keys: Keys, read: Awaitable[Any]) -> Any:
+    """`read`'s reply; None once the group a Redis restart dropped is made again."""
     try:
-        script = r.register_script(_READ_BANDS)
-        replies = await script(keys=streams, args=[SCHEDULER_GROUP, consumer, count])
+        return await read
     except ResponseError as e:
         if "NOGROUP" not in str(e):
             raise
         await ensure_group(r, keys)
-        return []
-    return [
-        (ref(PRIORITY_BANDS[int(i) - 1], entry_id), _decode_job(entry_id, _pairs(fields)))
-        for i, entries in replies
-        for entry_id, fields in entries
-    ]
+        return None
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -129,14 +137,8 @@ async def _read_band(
     r: aioredis.Redis, keys: Keys, band: str, consumer: str, count: int, block_ms: int | None
 ) -> list[Job]:
     stream = keys.request_stream_of(band)
-    try:
-        resp = await r.xreadgroup(SCHEDULER_GROUP, consumer, {stream: ">"}, count=count,
-                                  block=block_ms)  # fmt: skip
-    except ResponseError as e:
-        if "NOGROUP" not in str(e):
-            raise
-        await ensure_group(r, keys)
-        return []
+    read = r.xreadgroup(SCHEDULER_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
+    resp = await _in_group(r, keys, read)
     return [
         (ref(band, entry_id), _decode_job(entry_id, fields))
         for _stream, entries in resp or []

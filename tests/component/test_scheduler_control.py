@@ -233,6 +233,10 @@ async def test_schedulers_take_the_highest_priority_band_first(
 async def test_a_busy_read_takes_the_bands_in_order_up_to_its_count_in_one_call(
     fake_redis: aioredis.Redis, keys: Keys
 ) -> None:
+    await fake_redis.xadd(keys.request_stream_of("high"), {"x": "1"})  # a stream, no group
+    assert await request_stream.read(fake_redis, keys, "w1", 2, block_ms=None) == []
+    assert await fake_redis.xinfo_groups(keys.request_stream_of("high"))  # made again
+    await fake_redis.delete(*keys.request_streams)
     await request_stream.ensure_group(fake_redis, keys)
     for rid, priority in (("low", -5), ("n1", 0), ("n2", 0), ("high", 3)):
         job = protocol.GenerateJob(rid=rid, input_ids=[10], priority=priority,

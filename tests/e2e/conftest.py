@@ -8,10 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from redserve.supervisor import start_tiers, stop_tiers
 from shared.config import ApiSettings, SchedulerSettings, Settings
 from shared.embedded_redis import free_port
-from tests.support.stack import Stack, wait_ready
+from tests.support.stack import Stack, running_stack
 
 ORPHAN_GRACE_S = 0.5
 
@@ -32,12 +31,5 @@ def stack(
             worker_id="e2e-scheduler", kv_cache_tokens=8192, dtype="float32"
         ),
     )
-    log_dir = tmp_path_factory.mktemp("stack-logs")
-    stack = Stack(settings, start_tiers(settings, log_dir), log_dir)
-    try:
-        wait_ready(stack)
+    with running_stack(settings, tmp_path_factory.mktemp("stack-logs")) as stack:
         yield stack
-    finally:
-        stop_tiers(stack.procs)
-    codes = {t: p.returncode for t, p in stack.procs.items()}
-    assert all(c == 0 for c in codes.values()), f"unclean exit {codes}\n{stack.logs()}"

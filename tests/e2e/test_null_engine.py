@@ -15,10 +15,9 @@ import httpx
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from redserve.supervisor import start_tiers, stop_tiers
 from shared.config import ApiSettings, SchedulerSettings, Settings
 from shared.embedded_redis import free_port
-from tests.support.stack import Stack, wait_ready
+from tests.support.stack import Stack, running_stack
 from workers.scheduler.engine.null_runner import null_token, prompt_digest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -40,15 +39,8 @@ def null_stack(
             worker_id="null-scheduler", engine="null", null_step_ms=2, kv_cache_tokens=65536
         ),
     )
-    log_dir = tmp_path_factory.mktemp("null-logs")
-    stack = Stack(settings, start_tiers(settings, log_dir), log_dir)
-    try:
-        wait_ready(stack)
+    with running_stack(settings, tmp_path_factory.mktemp("null-logs")) as stack:
         yield stack
-    finally:
-        stop_tiers(stack.procs)
-    codes = {t: p.returncode for t, p in stack.procs.items()}
-    assert all(c == 0 for c in codes.values()), f"unclean exit {codes}\n{stack.logs()}"
 
 
 def _expected(model_path: str, prompt_ids: list[int], n: int) -> list[int]:

@@ -3,14 +3,17 @@ and waiting until it serves (api /health and the scheduler's heartbeat)."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
+from redserve.supervisor import start_tiers, stop_tiers
 from shared.config import Settings
 from shared.keys import Keys
 
@@ -57,3 +60,16 @@ def wait_ready(stack: Stack) -> None:
             pass
         time.sleep(0.3)
     raise RuntimeError(f"stack not ready in {STARTUP_TIMEOUT_S}s\n{stack.logs()}")
+
+
+@contextlib.contextmanager
+def running_stack(settings: Settings, log_dir: Path) -> Iterator[Stack]:
+    """Every tier as its own process until the block ends; then each must exit cleanly."""
+    stack = Stack(settings, start_tiers(settings, log_dir), log_dir)
+    try:
+        wait_ready(stack)
+        yield stack
+    finally:
+        stop_tiers(stack.procs)
+    codes = {t: p.returncode for t, p in stack.procs.items()}
+    assert all(c == 0 for c in codes.values()), f"unclean exit {codes}\n{stack.logs()}"
