@@ -1,5 +1,6 @@
 """How late this replica's event loop runs what is due: the overshoot of a short sleep,
-sampled every EVERY_S, the worst over the last WINDOW_S.
+sampled every EVERY_S, the worst over the last WINDOW_S; overloaded when two samples in a
+row ran OVERLOAD_LAG_S late.
 
 An overloaded replica (more streams than one core serves) runs everything late, its Redis
 replies included: a call bounded by REDIS_TIMEOUT_S then times out with Redis healthy. So
@@ -45,7 +46,11 @@ class LoopLag:
         return max((lag for at, lag in self._samples if at >= since), default=0.0)
 
     def overloaded(self, now: float | None = None) -> bool:
-        return self.lag_s(now) >= OVERLOAD_LAG_S
+        """The last two samples (in the window) both ran late: a lasting overload, not one
+        hiccup (a collection, a blocking call)."""
+        since = (time.monotonic() if now is None else now) - WINDOW_S
+        last = list(self._samples)[-2:]
+        return len(last) == 2 and all(at >= since and lag >= OVERLOAD_LAG_S for at, lag in last)
 
     async def _run(self) -> None:
         while True:
