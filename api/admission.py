@@ -45,6 +45,7 @@ from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S, unavailable
 from shared import heartbeat, limits
 from shared.config import ApiSettings
 from shared.keys import IN_FLIGHT_LEASE_S, SCHEDULER_GROUP, Keys
+from shared.redis_conn import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class QueueBound:
     async def _undelivered(self) -> int:
         """Jobs in the request streams (every priority band) that no scheduler read yet."""
         streams = self.keys.request_streams
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.redis) as pipe:
             for stream in streams:
                 pipe.xlen(stream)
                 pipe.xpending(stream, SCHEDULER_GROUP)

@@ -38,7 +38,7 @@ def create_app(
         if redis is None and not settings.redis_url:
             raise RuntimeError("the api tier needs a Redis URL (REDSERVE_REDIS_URL)")
         model = await asyncio.to_thread(load_model_info, settings, tokenizer)
-        client = redis if redis is not None else connect(settings.redis_url)
+        client = redis if redis is not None else connect(settings.redis_url, settings.redis_cluster)
         manager = TokenizerManager(settings, client, model)
         await manager.start()
         app.state.manager = manager

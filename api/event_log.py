@@ -96,7 +96,7 @@ class Appends:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for args, _ in batch:
-                    await reattach.queue_append(pipe, self.keys, *args)
+                    reattach.queue_append(pipe, self.keys, *args)
                 results = await pipe.execute(raise_on_error=False)
         except BaseException as e:  # every waiter hears it; a cancellation goes on up
             for _, done in batch:

@@ -20,7 +20,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import protocol
+from shared import protocol, pubsub
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +78,14 @@ class ResultListener:
     async def _run(self) -> None:
         backoff = _BACKOFF_MIN_S
         while True:
-            pubsub = self.redis.pubsub()
+            sub = pubsub.subscriber(self.redis)
             try:
                 channels = [c for c in (self.channel, self.control_channel) if c]
-                await pubsub.subscribe(*channels)
+                await sub.subscribe(*channels)
                 self._on_subscribed()
                 backoff = _BACKOFF_MIN_S
                 while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
+                    msg = await sub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
                     if msg is not None and msg.get("type") == "message":
                         self._route(msg["channel"], msg["data"])
             except (RedisError, OSError) as e:
@@ -97,7 +97,7 @@ class ResultListener:
                 self._subscribed.clear()
                 self._first_attempt.set()
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await sub.aclose()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 

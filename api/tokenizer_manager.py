@@ -40,7 +40,7 @@ from api.waiting import Disconnectable, wait_batch, wait_one
 from api.weights import WeightUpdates
 from shared import protocol, reattach, request_state, request_stream
 from shared.config import Settings
-from shared.keys import Keys
+from shared.redis_conn import atomic
 
 if TYPE_CHECKING:
     from api.streams import ResponsePump
@@ -56,7 +56,7 @@ class TokenizerManager:
         self.settings = settings
         self.redis = redis
         self.model = model
-        self.keys = Keys(settings.key_prefix)
+        self.keys = settings.redis_keys()
         self.api_id = settings.api.api_id
         self.rid_to_state: dict[str, ReqState] = {}
         self.metrics = ApiMetrics(model.served_model_name)
@@ -292,7 +292,7 @@ class TokenizerManager:
         rids = [job.rid for job in jobs]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                async with self.redis.pipeline(transaction=True) as pipe:
+                async with atomic(self.redis) as pipe:
                     for job in jobs:
                         request_state.create(
                             pipe, self.keys, job.rid, self.api_id, len(job.input_ids)

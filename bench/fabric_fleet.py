@@ -38,7 +38,7 @@ class BenchFleet:
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.base.key_prefix)
+        return self.base.redis_keys()
 
     def start(self, name: str, tier: str) -> None:
         settings = self.base.model_copy(deep=True)

@@ -13,7 +13,6 @@ import sys
 
 from shared import request_stream
 from shared.config import Settings
-from shared.keys import Keys
 from shared.redis_conn import connect
 
 
@@ -25,7 +24,7 @@ async def _run(settings: Settings, action: str, rid: str | None) -> int:
     if not settings.redis_url:
         sys.stderr.write("redserve dlq needs --redis-url (or REDSERVE_REDIS_URL)\n")
         return 2
-    r, keys = connect(settings.redis_url), Keys(settings.key_prefix)
+    r, keys = connect(settings.redis_url, settings.redis_cluster), settings.redis_keys()
     try:
         if action == "list":
             for entry_id, info in await request_stream.dead_letters(r, keys):

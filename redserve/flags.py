@@ -48,6 +48,9 @@ FLAGS: tuple[Flag, ...] = (
         "the Redis all tiers share; empty: `up` starts a private one, single tiers refuse to run",
         metavar="URL",
     ),
+    Flag("--redis-cluster", "redis_cluster", "the Redis URL names a node of a Redis Cluster",
+         switch=True),  # fmt: skip
+    Flag("--stream-shards", "stream_shards", "request streams a request goes to by rid", int),
     Flag("--key-prefix", "key_prefix", "prefix of every Redis key and channel", metavar="PREFIX"),
     Flag("--num-token-shards", "num_token_shards", "number of tok:{shard} channels", int),
     Flag(
@@ -289,6 +292,8 @@ _TOP_LEVEL_TIERS: dict[str, tuple[str, ...]] = {
     "model": TIERS,
     "redis_url": TIERS,
     "key_prefix": TIERS,
+    "redis_cluster": TIERS,
+    "stream_shards": TIERS,
     "num_token_shards": ("scheduler", "detokenizer"),
     "cache_dir": TIERS,
     "context_length": ("api", "scheduler", "jobs"),

@@ -17,7 +17,6 @@ from redis.exceptions import RedisError
 from shared import heartbeat
 from shared.config import Settings
 from shared.heartbeat import JOBS, SCHEDULER, SchedulerBeat
-from shared.keys import Keys
 from shared.redis_conn import connect
 
 
@@ -41,8 +40,8 @@ def _api_alive(settings: Settings) -> bool:
 
 
 async def _scheduler_alive(settings: Settings) -> bool:
-    r = connect(settings.redis_url)
-    keys = Keys(settings.key_prefix)
+    r = connect(settings.redis_url, settings.redis_cluster)
+    keys = settings.redis_keys()
     host = socket.gethostname()
     try:
         beats = await heartbeat.live_beats(r, keys, SCHEDULER, SchedulerBeat)
@@ -52,9 +51,9 @@ async def _scheduler_alive(settings: Settings) -> bool:
 
 
 async def _jobs_alive(settings: Settings) -> bool:
-    r = connect(settings.redis_url)
+    r = connect(settings.redis_url, settings.redis_cluster)
     try:
-        keys = Keys(settings.key_prefix)
+        keys = settings.redis_keys()
         live = await heartbeat.live_workers(r, keys, JOBS, socket.gethostname())
     finally:
         await r.aclose()

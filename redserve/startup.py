@@ -15,7 +15,6 @@ from redis.exceptions import RedisError
 from shared import heartbeat
 from shared.config import Settings
 from shared.heartbeat import SchedulerBeat
-from shared.keys import Keys
 from shared.redis_conn import connect
 
 POLL_S = 0.5
@@ -44,7 +43,7 @@ async def wait_ready(
     """Poll until the api's /health is 200 (True) or `running()` turns False (a tier exited),
     `say`ing each change of a scheduler's state."""
     url = f"http://{settings.api.host}:{settings.api.port}/health"
-    r, keys = connect(settings.redis_url), Keys(settings.key_prefix)
+    r, keys = connect(settings.redis_url, settings.redis_cluster), settings.redis_keys()
     report = StartupReport(time.monotonic())
     try:
         while running():

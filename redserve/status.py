@@ -14,7 +14,6 @@ from redis.exceptions import RedisError
 from api import fleet
 from shared.config import Settings
 from shared.heartbeat import BeatT, DetokenizerBeat, SchedulerBeat
-from shared.keys import Keys
 from shared.redis_conn import connect
 
 READ_TIMEOUT_S = 5.0
@@ -37,10 +36,10 @@ def run(settings: Settings, as_json: bool = False) -> int:
 
 
 async def _read(settings: Settings) -> fleet.FleetView:
-    r = connect(settings.redis_url)
+    r = connect(settings.redis_url, settings.redis_cluster)
     try:
         async with asyncio.timeout(READ_TIMEOUT_S):
-            return await fleet.read_fleet(r, Keys(settings.key_prefix))
+            return await fleet.read_fleet(r, settings.redis_keys())
     finally:
         await r.aclose()
 

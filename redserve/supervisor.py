@@ -34,10 +34,13 @@ STOP_ORDER = ("jobs", "scheduler", "api", "detokenizer")
 def start_tiers(
     settings: Settings, log_dir: Path | None = None
 ) -> dict[str, subprocess.Popen[bytes]]:
-    """One OS process per tier; with `log_dir`, each tier's output goes to `{tier}.log`."""
+    """One OS process per tier; with `log_dir`, each tier's output goes to `{tier}.log`. On
+    a Redis Cluster there is no jobs tier (arq needs one Redis)."""
     env = child_process_env(settings)
     procs = {}
     for tier in TIERS:
+        if tier == "jobs" and settings.redis_cluster:
+            continue
         out = open(log_dir / f"{tier}.log", "wb") if log_dir else None  # noqa: SIM115
         procs[tier] = subprocess.Popen(
             [sys.executable, "-m", "redserve.cli", tier],

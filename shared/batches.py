@@ -16,6 +16,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from shared.keys import BATCH_KEEP_S, Keys
+from shared.redis_conn import atomic
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 # Where each status may be reached from.
@@ -84,7 +85,7 @@ def _text(value: bytes | str) -> str:
 
 
 async def create(r: aioredis.Redis, keys: Keys, record: BatchRecord) -> None:
-    async with r.pipeline(transaction=True) as pipe:
+    async with atomic(r) as pipe:
         pipe.hset(keys.batch(record.id), mapping=_encode(record))
         # Listed by the time to the microsecond: created_at (seconds) ties within a second.
         pipe.zadd(keys.batches, {record.id: time.time()})

@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.keys import HEARTBEAT_TTL_S
+from shared.keys import HEARTBEAT_TTL_S, Keys
 
 
 def _default_instance_id() -> str:
@@ -204,6 +204,12 @@ class Settings(BaseSettings):
 
     # Empty = `redserve up` starts a private redis-server; single tiers require it.
     redis_url: str = ""
+    # redis_url names one node of a Redis Cluster (or Valkey cluster): the tiers find the
+    # others, use sharded pub/sub (Redis 7+) and spread requests over stream_shards slots.
+    redis_cluster: bool = False
+    # Request streams (one per priority band each) a request goes to by its rid; every
+    # process of a fleet must agree. On a cluster: a few per primary node.
+    stream_shards: int = Field(default=1, ge=1, le=1024)
     key_prefix: str = "rs"
     # Number of `tok:{shard}` channels; each request is routed to one by its rid.
     num_token_shards: int = Field(default=1, ge=1)
@@ -220,6 +226,10 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     detokenizer: DetokenizerSettings = Field(default_factory=DetokenizerSettings)
     jobs: JobsSettings = Field(default_factory=JobsSettings)
+
+    def redis_keys(self) -> Keys:
+        """The fleet's key names (prefix and stream shards)."""
+        return Keys(self.key_prefix, self.stream_shards)
 
     def files_path(self) -> Path:
         """The file store's directory."""

@@ -20,6 +20,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
+from shared.redis_conn import atomic
 
 PART_SUFFIX = ".part"
 _PAGE = 100  # records read per round trip when listing
@@ -86,7 +87,7 @@ class FileStore:
         created_at = int(time.time())
         expires_at = None if expires_after_s is None else created_at + expires_after_s
         record = FileRecord(file_id, size, created_at, filename, purpose, expires_at)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.redis) as pipe:
             pipe.hset(self.keys.file(file_id), mapping=record.to_hash())
             # Listed by the time to the microsecond: created_at (seconds) ties within a second.
             pipe.zadd(self.keys.files, {file_id: time.time()})
@@ -134,7 +135,7 @@ class FileStore:
 
     async def delete(self, file_id: str) -> bool:
         """Drop the record, then the content; False if there was no such file."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.redis) as pipe:
             pipe.delete(self.keys.file(file_id))
             pipe.zrem(self.keys.files, file_id)
             deleted, _ = await pipe.execute()

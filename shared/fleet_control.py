@@ -13,8 +13,9 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from shared import protocol
+from shared import protocol, pubsub
 from shared.keys import WEIGHTS_RESULTS_TTL_S, Keys
+from shared.redis_conn import atomic
 
 Pipe = aioredis.client.Pipeline
 
@@ -57,21 +58,22 @@ class ControlState:
 
 # -- writers (api) ---------------------------------------------------------------------------
 async def pause(r: aioredis.Redis, keys: Keys, mode: protocol.PauseMode) -> None:
-    async with r.pipeline(transaction=True) as pipe:
+    async with atomic(r) as pipe:
         pipe.set(keys.pause, mode)
-        pipe.publish(keys.control_channel, protocol.encode(protocol.PauseGeneration(mode=mode)))
+        message = protocol.encode(protocol.PauseGeneration(mode=mode))
+        pubsub.publish(pipe, keys.control_channel, message)
         await pipe.execute()
 
 
 async def resume(r: aioredis.Redis, keys: Keys) -> None:
-    async with r.pipeline(transaction=True) as pipe:
+    async with atomic(r) as pipe:
         pipe.delete(keys.pause)
-        pipe.publish(keys.control_channel, protocol.encode(protocol.ContinueGeneration()))
+        pubsub.publish(pipe, keys.control_channel, protocol.encode(protocol.ContinueGeneration()))
         await pipe.execute()
 
 
 async def flush_cache(r: aioredis.Redis, keys: Keys) -> None:
-    await r.publish(keys.control_channel, protocol.encode(protocol.FlushCache()))
+    await pubsub.publish(r, keys.control_channel, protocol.encode(protocol.FlushCache()))
 
 
 async def set_target(
@@ -79,7 +81,7 @@ async def set_target(
 ) -> None:
     """Make `target` the fleet's weights (None: back to each scheduler's own, switching by
     `mode`) and tell."""
-    async with r.pipeline(transaction=True) as pipe:
+    async with atomic(r) as pipe:
         pipe.delete(keys.weights)
         if target is not None:
             fields = {"model_path": target.model_path, "weight_version": target.weight_version,
@@ -92,7 +94,7 @@ async def set_target(
             )
         else:
             msg = protocol.UpdateWeights(model_path="", weight_version="", mode=cast(Any, mode))
-        pipe.publish(keys.control_channel, protocol.encode(msg))
+        pubsub.publish(pipe, keys.control_channel, protocol.encode(msg))
         await pipe.execute()
 
 

@@ -1,12 +1,15 @@
 """Every Redis key, channel, stream, consumer group and TTL, under one prefix.
 
-No other module spells a key. Build one `Keys(settings.key_prefix)` and pass it around.
+No other module spells a key. Build one (`settings.redis_keys()`) and pass it around.
 """
 
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from functools import cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 # TTLs (seconds)
 STATE_TTL_S = 3600  # request state and id log, after the request finished
@@ -47,22 +50,39 @@ BATCH_KEEP_S = 30 * 86400
 
 @dataclass(frozen=True)
 class Keys:
+    """Key names. A request's keys and the request stream shard its job goes to share one
+    Redis Cluster hash tag (`{...}`, the shard's), so the scripts and transactions that
+    touch them run on one slot; `stream_shards` spreads requests over that many slots."""
+
     prefix: str = "rs"
+    stream_shards: int = 1
 
     # -- streams ---------------------------------------------------------------------------
     @property
     def request_stream(self) -> str:
-        """Stream of GenerateJob entries; consumer group SCHEDULER_GROUP."""
-        return f"{self.prefix}:req"
+        """Stream of GenerateJob entries (shard 0, default band); group SCHEDULER_GROUP."""
+        return self.request_stream_of("")
 
-    def request_stream_of(self, band: str) -> str:
-        """The request stream of a priority band (PRIORITY_BANDS); the default is `req`."""
-        return f"{self.prefix}:req:{band}" if band else self.request_stream
+    def request_stream_of(self, band: str, shard: int = 0) -> str:
+        """The request stream of a priority band (PRIORITY_BANDS) in one stream shard."""
+        name = f"{self.prefix}:req:{{{shard_tag(shard, self.stream_shards)}}}"
+        return f"{name}:{band}" if band else name
+
+    def shard_streams(self, shard: int) -> list[str]:
+        """One shard's request streams, highest priority first."""
+        return [self.request_stream_of(band, shard) for band in PRIORITY_BANDS]
 
     @property
     def request_streams(self) -> list[str]:
-        """Every band's request stream, highest priority first."""
-        return [self.request_stream_of(band) for band in PRIORITY_BANDS]
+        """Every shard's request streams (each shard's highest priority first)."""
+        return [s for shard in range(self.stream_shards) for s in self.shard_streams(shard)]
+
+    def shard(self, rid: str) -> int:
+        """The stream shard of a request: its job's stream and its keys' hash tag."""
+        return shard_of(rid, self.stream_shards)
+
+    def _tagged(self, family: str, rid: str) -> str:
+        return f"{self.prefix}:{family}:{{{shard_tag(self.shard(rid), self.stream_shards)}}}:{rid}"
 
     @property
     def dead_letters(self) -> str:
@@ -86,23 +106,23 @@ class Keys:
     # -- per-request keys ------------------------------------------------------------------
     def state(self, rid: str) -> str:
         """Hash: status, api_id, worker, epoch, counts, finish_reason, timestamps."""
-        return f"{self.prefix}:state:{rid}"
+        return self._tagged("state", rid)
 
     def ids(self, rid: str) -> str:
         """List of generated token ids (RPUSH per step): the durable output log."""
-        return f"{self.prefix}:ids:{rid}"
+        return self._tagged("ids", rid)
 
     def rid_claim(self, rid: str) -> str:
         """String (SET NX): the api replica that claimed `rid`; makes rids unique fleet-wide."""
-        return f"{self.prefix}:rid:{rid}"
+        return self._tagged("rid", rid)
 
     def abort(self, rid: str) -> str:
         """Exists while `rid` is aborted (written before any local state is dropped)."""
-        return f"{self.prefix}:abort:{rid}"
+        return self._tagged("abort", rid)
 
     def events(self, rid: str) -> str:
         """List of the SSE events a streaming response sent (event id = index), for replay."""
-        return f"{self.prefix}:events:{rid}"
+        return self._tagged("events", rid)
 
     # -- fleet control ---------------------------------------------------------------------
     @property
@@ -126,12 +146,12 @@ class Keys:
         return f"{self.prefix}:weights:turn"
 
     def rate_limit(self, client: str) -> str:
-        """Hash: one API key's token bucket (tokens, at)."""
-        return f"{self.prefix}:limit:{client}:bucket"
+        """Hash: one API key's token bucket (tokens, at); tagged like its in-flight set."""
+        return f"{self.prefix}:limit:{{{client}}}:bucket"
 
     def in_flight(self, client: str) -> str:
         """Sorted set: one API key's requests in flight (rid -> expiry, unix time)."""
-        return f"{self.prefix}:limit:{client}:inflight"
+        return f"{self.prefix}:limit:{{{client}}}:inflight"
 
     # -- files and batches (OpenAI Files / Batch API; the jobs tier) ---------------------
     def file(self, file_id: str) -> str:
@@ -195,3 +215,18 @@ def band_of(priority: int) -> str:
 def shard_of(rid: str, num_shards: int) -> int:
     """Stable shard of a request id (same answer in every process)."""
     return zlib.crc32(rid.encode()) % max(1, num_shards)
+
+
+@cache
+def shard_tag(shard: int, num_shards: int) -> str:
+    """The hash tag of stream shard `shard` of `num_shards`: the first of "0", "0.1", "0.2"...
+    whose slot lies in the shard's equal part of the slot range, so a cluster whose nodes
+    own equal contiguous ranges (what `redis-cli --cluster create` makes) gets its shards
+    spread evenly."""
+    size = REDIS_CLUSTER_HASH_SLOTS / max(1, num_shards)
+    low, high = int(shard * size), int((shard + 1) * size)
+    for n in range(100_000):
+        tag = f"{shard}.{n}" if n else str(shard)
+        if low <= key_slot(tag.encode()) < high:
+            return tag
+    raise AssertionError(f"no tag for shard {shard} of {num_shards}")  # never: ~size/16384 hit

@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared.keys import IN_FLIGHT_LEASE_S, Keys
+from shared.redis_conn import eval_script
 
 ANONYMOUS = "anonymous"  # the client of every request when no API keys are configured
 
@@ -129,7 +130,15 @@ def release(pipe: aioredis.client.Pipeline, keys: Keys, slots: dict[str, str]) -
 async def renew(
     r: aioredis.Redis, keys: Keys, slots: dict[str, str], lease_s: float = IN_FLIGHT_LEASE_S
 ) -> None:
-    """Push the expiry of held slots (slot id -> client) to lease_s from now."""
-    if slots:
-        names = [keys.in_flight(client) for client in slots.values()]
-        await r.eval(_RENEW, len(names), *names, str(lease_s), *slots)  # type: ignore[misc]
+    """Push the expiry of held slots (slot id -> client) to lease_s from now: one script
+    per API key (each key's sets share a hash tag; a Redis Cluster keeps them apart)."""
+    by_client: dict[str, list[str]] = {}
+    for slot, client in slots.items():
+        by_client.setdefault(client, []).append(slot)
+    if not by_client:
+        return
+    async with r.pipeline(transaction=False) as pipe:
+        for client, held in by_client.items():
+            names = [keys.in_flight(client)] * len(held)
+            eval_script(pipe, _RENEW, names, [str(lease_s), *held])
+        await pipe.execute()

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import LIVE_STATE_TTL_S, SCHEDULER_GROUP, STATE_TTL_S, Keys
+from shared.redis_conn import eval_script, is_cluster
 from shared.request_stream import locate
 
 Pipe = aioredis.client.Pipeline
@@ -139,7 +139,7 @@ def own(pipe: Pipe, keys: Keys, me: str, entry_ref: bytes, rid: str) -> None:
     """Queue the ownership bump of `rid`'s job; decode its reply with `owned`."""
     stream, entry_id = locate(keys, entry_ref)
     script_keys = [stream, keys.state(rid), keys.ids(rid), keys.abort(rid)]
-    _eval(pipe, _OWN, script_keys, [SCHEDULER_GROUP, me, entry_id, LIVE_STATE_TTL_S])
+    eval_script(pipe, _OWN, script_keys, [SCHEDULER_GROUP, me, entry_id, LIVE_STATE_TTL_S])
 
 
 def owned(reply: list[bytes | int] | None) -> Owned | None:
@@ -167,15 +167,42 @@ class StepEntry:
     finished_at: float = 0.0
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """How `publish_step` queued a step: one script per stream shard, and whether the
+    scripts publish the batches themselves."""
+
+    groups: list[list[int]]  # per queued script, the indices of its entries
+    publishes: bool
+    num_batches: int
+
+
 def publish_step(
     pipe: Pipe,
     keys: Keys,
     entries: Sequence[StepEntry],
     batches: Sequence[tuple[str, bytes, list[int]]],
-) -> None:
+) -> StepPlan:
     """Queue the step's fenced writes: per entry its appends (and finish + ack), then each
     (channel, payload, entry indices) batch, published only if all its entries are current.
-    Decode the reply with `step_result`."""
+    One script per stream shard (its keys share a slot); the scripts publish the batches
+    only when there is one script on one Redis, else the caller publishes what
+    `step_result` says after them. Decode the replies with `step_result`."""
+    groups: dict[int, list[int]] = {}
+    for i, step in enumerate(entries):
+        groups.setdefault(keys.shard(step.entry.rid), []).append(i)
+    publishes = len(groups) == 1 and not is_cluster(pipe)
+    for members in groups.values():
+        _queue_step(pipe, keys, [entries[i] for i in members], batches if publishes else [])
+    return StepPlan(list(groups.values()), publishes, len(batches))
+
+
+def _queue_step(
+    pipe: Pipe,
+    keys: Keys,
+    entries: Sequence[StepEntry],
+    batches: Sequence[tuple[str, bytes, list[int]]],
+) -> None:
     script_keys: list[str] = []
     args: list[str | bytes | int | float] = [SCHEDULER_GROUP, LIVE_STATE_TTL_S, STATE_TTL_S]
     args.append(len(entries))
@@ -191,13 +218,20 @@ def publish_step(
     args.append(len(batches))
     for channel, payload, members in batches:
         args += [channel, payload, len(members), *(m + 1 for m in members)]
-    _eval(pipe, _PUBLISH_STEP, script_keys, args)
+    eval_script(pipe, _PUBLISH_STEP, script_keys, args)
 
 
-def step_result(reply: list[int]) -> tuple[set[int], list[int]]:
-    """(indices of stale entries, indices of batches that were not published), 0-based."""
-    split = reply.index(0)
-    return {int(i) - 1 for i in reply[:split]}, [int(b) - 1 for b in reply[split + 1 :]]
+def step_result(plan: StepPlan, replies: Sequence[list[int]]) -> tuple[set[int], list[int]]:
+    """(indices of stale entries, indices of batches that were not published), 0-based,
+    from the replies of the plan's scripts."""
+    stale: set[int] = set()
+    unsent = list(range(plan.num_batches))
+    for members, reply in zip(plan.groups, replies, strict=True):
+        split = reply.index(0)
+        stale |= {members[int(i) - 1] for i in reply[:split]}
+        if plan.publishes:
+            unsent = [int(b) - 1 for b in reply[split + 1 :]]
+    return stale, unsent
 
 
 def renew(pipe: Pipe, keys: Keys, me: str, entry_refs: Iterable[bytes]) -> list[list[bytes]]:
@@ -205,7 +239,7 @@ def renew(pipe: Pipe, keys: Keys, me: str, entry_refs: Iterable[bytes]) -> list[
     `lost_entries` decodes. Returns the refs each queued script renews (none: nothing)."""
     by_stream = _by_stream(keys, entry_refs)
     for stream, (_refs, ids) in by_stream.items():
-        _eval(pipe, _RENEW, [stream], [SCHEDULER_GROUP, me, *ids])
+        eval_script(pipe, _RENEW, [stream], [SCHEDULER_GROUP, me, *ids])
     return [refs for refs, _ids in by_stream.values()]
 
 
@@ -219,7 +253,7 @@ async def hand_over(
 ) -> None:
     """Make `me`'s entries claimable at once by the next scheduler's reclaim."""
     for stream, (_refs, ids) in _by_stream(keys, entry_refs).items():
-        await _eval(r, _HAND_OVER, [stream], [SCHEDULER_GROUP, me, idle_ms, *ids])
+        await eval_script(r, _HAND_OVER, [stream], [SCHEDULER_GROUP, me, idle_ms, *ids])
 
 
 _Grouped = dict[str, tuple[list[bytes], list[bytes]]]
@@ -234,13 +268,6 @@ def _by_stream(keys: Keys, entry_refs: Iterable[bytes]) -> _Grouped:
         refs.append(entry_ref)
         ids.append(entry_id)
     return out
-
-
-def _eval(
-    client: Any, script: str, script_keys: list[str], args: Sequence[str | bytes | int | float]
-) -> Any:
-    """EVAL with the script's text (never NOSCRIPT, also right after a Redis restart)."""
-    return client.eval(script, len(script_keys), *script_keys, *args)
 
 
 def _text(value: bytes | int | str) -> str:

@@ -7,8 +7,9 @@
 - `state:{rid}` fields `stream_rid`, `stream_spec`, `attach_id`, and `api_id` on takeover.
 
 Ownership is data, compared-and-set by Lua scripts: only the attachment named by
-`attach_id` may append to a log, a takeover replaces it (moving the rids between the
-replicas' sets in the same script), and an abort for a lost client or a dead replica is
+`attach_id` may append to a log, a takeover replaces it (naming the new replica in each
+member's state in the same script; the rids move between the replicas' sets right after),
+and an abort for a lost client or a dead replica is
 written only where the request is still held by whoever gives up on it. A replica that was
 paused, or that another one re-attached, can never write to the log again.
 """
@@ -19,8 +20,9 @@ from collections.abc import Iterable, Sequence
 
 import redis.asyncio as aioredis
 
-from shared import protocol
+from shared import protocol, pubsub
 from shared.keys import ABORT_TTL_S, EVENTS_TTL_S, LIVE_STATE_TTL_S, Keys
+from shared.redis_conn import eval_script
 
 Pipe = aioredis.client.Pipeline
 
@@ -37,27 +39,32 @@ redis.call('EXPIRE', KEYS[2], tonumber(ARGV[3]))
 return 0
 """
 
-# KEYS: state(log rid), events(log rid), held(old api), held(new api), state(member)...
-# ARGV: expected attach_id, new attach_id, new api_id, ttl, rid of each member...
+# KEYS: state(log rid), events(log rid), state(member)... (one slot).
+# ARGV: expected attach_id, new attach_id, new api_id.
 _TAKE_OVER = """
 if redis.call('HGET', KEYS[1], 'attach_id') ~= ARGV[1] then return false end
 redis.call('HSET', KEYS[1], 'attach_id', ARGV[2])
-for i = 5, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    redis.call('HSET', KEYS[i], 'api_id', ARGV[3])
-    redis.call('SREM', KEYS[3], ARGV[i])
-    redis.call('SADD', KEYS[4], ARGV[i])
-  end
+for i = 3, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSET', KEYS[i], 'api_id', ARGV[3]) end
 end
-redis.call('EXPIRE', KEYS[4], tonumber(ARGV[4]))
 return redis.call('LRANGE', KEYS[2], 0, -1)
 """
 
+# KEYS: state(member)... (one slot). ARGV: new api_id. The members of a taken-over response
+# whose keys live in another slot than its log's (a batch, on a Redis Cluster).
+_MOVE_MEMBERS = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSET', KEYS[i], 'api_id', ARGV[1]) end
+end
+return 1
+"""
+
 # KEYS: guard state, n member states, n abort markers. ARGV: api_id, attach_id ('' = any),
-# ttl. Marks the members still held by api_id (and running) aborted; returns their indexes.
+# ttl (one slot). Marks the members still held by api_id (and running) aborted; returns
+# their indexes, or false when the guard's attachment is not attach_id.
 _ABORT_IF_HELD = """
 local n = (#KEYS - 1) / 2
-if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'attach_id') ~= ARGV[2] then return {} end
+if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'attach_id') ~= ARGV[2] then return false end
 local out = {}
 for i = 1, n do
   local state = redis.call('HMGET', KEYS[1 + i], 'api_id', 'status')
@@ -106,18 +113,17 @@ async def append_events(
     the log has exactly first_id events: APPENDED, LOST (taken over), DIVERGED (the log
     does not end there) or GONE (no state: expired, or a Redis that lost its data)."""
     async with r.pipeline(transaction=False) as pipe:
-        await queue_append(pipe, keys, rid, attach_id, first_id, records)
+        queue_append(pipe, keys, rid, attach_id, first_id, records)
         (result,) = await pipe.execute()
     return int(result)
 
 
-async def queue_append(
+def queue_append(
     pipe: Pipe, keys: Keys, rid: str, attach_id: str, first_id: int, records: list[bytes]
 ) -> None:
     """Queue `append_events` on a pipeline (its reply: the same codes)."""
-    script = pipe.register_script(_APPEND)
-    args: list[bytes | str | int] = [attach_id, first_id, EVENTS_TTL_S, *records]
-    await script(keys=[keys.state(rid), keys.events(rid)], args=args, client=pipe)
+    names = [keys.state(rid), keys.events(rid)]
+    eval_script(pipe, _APPEND, names, [attach_id, first_id, EVENTS_TTL_S, *records])
 
 
 async def read_events(r: aioredis.Redis, keys: Keys, rid: str) -> list[bytes]:
@@ -135,14 +141,18 @@ async def take_over(
     attach_id) if `old`'s attachment still owns it; returns the log as of the move (no
     event can be appended by anyone else after it), or None when it moved meanwhile."""
     (old_api, old_attach), (new_api, new_attach) = old, new
-    script = r.register_script(_TAKE_OVER)
-    stream_rid = rids[0]
-    names = [keys.state(stream_rid), keys.events(stream_rid)]
-    names += [keys.api_requests(old_api), keys.api_requests(new_api)]
-    names += [keys.state(rid) for rid in rids]
-    args: list[str | int] = [old_attach, new_attach, new_api, LIVE_STATE_TTL_S, *rids]
-    result = await script(keys=names, args=args)
-    return None if result is None else list(result)
+    log_slot, *others = _by_slot(keys, rids[0], rids)
+    names = [keys.state(rids[0]), keys.events(rids[0]), *(keys.state(rid) for rid in log_slot)]
+    result = await eval_script(r, _TAKE_OVER, names, [old_attach, new_attach, new_api])
+    if result is None:
+        return None
+    async with r.pipeline(transaction=False) as pipe:
+        for members in others:
+            eval_script(pipe, _MOVE_MEMBERS, [keys.state(m) for m in members], [new_api])
+        pipe.srem(keys.api_requests(old_api), *rids)
+        hold(pipe, keys, new_api, rids)
+        await pipe.execute()
+    return list(result)
 
 
 def announce(
@@ -150,7 +160,7 @@ def announce(
 ) -> None:
     """Queue the Reattach broadcast: route rids' text to api_id, resend it from from_seqs."""
     msg = protocol.Reattach(rids=list(rids), api_id=api_id, from_seqs=list(from_seqs))
-    pipe.publish(keys.control_channel, protocol.encode(msg))
+    pubsub.publish(pipe, keys.control_channel, protocol.encode(msg))
 
 
 async def abort_if_held(
@@ -166,15 +176,28 @@ async def abort_if_held(
     if not rids:
         return []
     guard, attach_id = (attach[0], attach[1]) if attach else (rids[0], "")
-    names = [keys.state(guard), *(keys.state(rid) for rid in rids)]
-    names += [keys.abort(rid) for rid in rids]
-    script = r.register_script(_ABORT_IF_HELD)
-    indexes = await script(keys=names, args=[api_id, attach_id, ABORT_TTL_S])
-    aborted = [rids[int(i)] for i in indexes]
+    aborted: list[str] = []
+    for i, members in enumerate(_by_slot(keys, guard, rids)):
+        names = [keys.state(guard if i == 0 else members[0])]
+        names += [keys.state(rid) for rid in members] + [keys.abort(rid) for rid in members]
+        args = [api_id, attach_id if i == 0 else "", ABORT_TTL_S]
+        indexes = await eval_script(r, _ABORT_IF_HELD, names, args)
+        if indexes is None:  # the response moved on: nothing of it is ours to abort
+            return []
+        aborted += [members[int(j)] for j in indexes]
     if aborted:
         message = protocol.encode(protocol.AbortRequests(rids=aborted))
-        await r.publish(keys.control_channel, message)
+        await pubsub.publish(r, keys.control_channel, message)
     return aborted
+
+
+def _by_slot(keys: Keys, first: str, rids: Sequence[str]) -> list[list[str]]:
+    """`rids` grouped by their keys' hash tag, the group of `first`'s first (maybe empty):
+    one script per group, as a Redis Cluster requires. One group when there is one shard."""
+    groups: dict[int, list[str]] = {keys.shard(first): []}
+    for rid in rids:
+        groups.setdefault(keys.shard(rid), []).append(rid)
+    return list(groups.values())
 
 
 async def held_rids(r: aioredis.Redis, keys: Keys, api_id: str) -> set[str]:

@@ -1,4 +1,9 @@
-"""Connecting to Redis. Nothing key-specific lives here.
+"""Connecting to Redis (one server, or a Redis Cluster / Valkey cluster). Nothing
+key-specific lives here.
+
+On a cluster, MULTI cannot span slots (and redis-py's asyncio cluster client has no
+transactions at all), so `atomic` pipelines are plain pipelines there: what must be atomic
+on a cluster is a script on one slot (one request's keys share a hash tag, shared.keys).
 
 Commands are packed by hiredis (C), as redis-py's synchronous client already does: the
 asyncio client packs in Python, copying its growing buffer once per argument, and a
@@ -6,18 +11,41 @@ scheduler's step transaction has thousands of arguments at hundreds of running r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.connection import AbstractConnection, Connection
 
 
-def connect(url: str) -> aioredis.Redis:
-    """An asyncio client (bytes in, bytes out). Does no I/O until first used."""
+def connect(url: str, cluster: bool = False) -> aioredis.Redis:
+    """An asyncio client (bytes in, bytes out); with `cluster`, a Redis Cluster client that
+    finds every node from `url`'s. Does no I/O until first used."""
+    if cluster:
+        return RedisCluster.from_url(
+            url, decode_responses=False, connection_class=with_hiredis_packing(Connection)
+        )
     pool = aioredis.ConnectionPool.from_url(url, decode_responses=False, health_check_interval=30)
     pool.connection_class = with_hiredis_packing(pool.connection_class)
     return aioredis.Redis.from_pool(pool)
+
+
+def eval_script(client: Any, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """EVAL with the script's text (never NOSCRIPT, also right after a Redis restart) on a
+    client or a pipeline; on a cluster it goes to the node of its keys' one slot."""
+    return client.eval(script, len(keys), *keys, *args)
+
+
+def is_cluster(client: object) -> bool:
+    """Whether `client` (a client or a pipeline) talks to a Redis Cluster."""
+    return isinstance(client, RedisCluster | ClusterPipeline)
+
+
+def atomic(r: aioredis.Redis) -> aioredis.client.Pipeline:
+    """A MULTI/EXEC pipeline on one Redis; a plain one on a cluster (see the module doc)."""
+    return r.pipeline(transaction=not is_cluster(r))
 
 
 def with_hiredis_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import msgspec
 import redis.asyncio as aioredis
 
-from shared import protocol
+from shared import protocol, pubsub
 from shared.keys import ABORT_TTL_S, LIVE_STATE_TTL_S, RID_CLAIM_TTL_S, STATE_TTL_S, Keys
 
 Pipe = aioredis.client.Pipeline
@@ -32,9 +32,8 @@ def claim(pipe: Pipe, keys: Keys, rids: Iterable[str], api_id: str) -> None:
 def release(pipe: Pipe, keys: Keys, finished: Iterable[str], aborted: Iterable[str]) -> None:
     """Give claimed rids back: finished ones at once; aborted ones only when their abort
     marker expires (a rid reused under a live marker would be aborted by the schedulers)."""
-    done = [keys.rid_claim(rid) for rid in finished]
-    if done:
-        pipe.delete(*done)
+    for rid in finished:  # one DEL each: on a cluster, rids' claims live in several slots
+        pipe.delete(keys.rid_claim(rid))
     for rid in aborted:
         pipe.expire(keys.rid_claim(rid), ABORT_TTL_S)
 
@@ -121,7 +120,8 @@ def abort(pipe: Pipe, keys: Keys, rids: Iterable[str]) -> None:
     rid_list = list(rids)
     for rid in rid_list:
         pipe.set(keys.abort(rid), 1, ex=ABORT_TTL_S)
-    pipe.publish(keys.control_channel, protocol.encode(protocol.AbortRequests(rids=rid_list)))
+    message = protocol.encode(protocol.AbortRequests(rids=rid_list))
+    pubsub.publish(pipe, keys.control_channel, message)
 
 
 def query_aborted(pipe: Pipe, keys: Keys, rids: list[str]) -> None:

@@ -7,13 +7,20 @@ those of dead schedulers (`reclaim`), and ack each one after its request finishe
 shared.ownership's fenced step script). A job delivered too often is moved to the
 dead-letter stream (`dead_letter`), which `redserve dlq` manages.
 
+With several stream shards (Keys.stream_shards; a job goes to its rid's shard, whose hash
+tag its request's keys share), each read and reclaim walks the shards from a random one, so
+every shard is read first equally often; a read never spans two shards (on Redis Cluster
+they live in different slots).
+
 An entry is named by its ref: the stream entry id, prefixed with `band/` outside the default
-band (so ids of different streams never mix); `locate` turns a ref back into stream + id.
+band and `band@shard/` outside shard 0 (so ids of different streams never mix); `locate`
+turns a ref back into stream + id.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Awaitable
 from typing import Any
 
@@ -30,23 +37,32 @@ from shared.keys import (
     Keys,
     band_of,
 )
+from shared.redis_conn import atomic, eval_script
 
 logger = logging.getLogger(__name__)
 
 _FIELD = b"job"
 
 Job = tuple[bytes, protocol.GenerateJob | None]  # entry ref, job (None: undecodable)
-Cursors = dict[str, bytes]  # band -> XAUTOCLAIM cursor
+Cursors = dict[str, bytes]  # request stream -> XAUTOCLAIM cursor
 
 
-def ref(band: str, entry_id: bytes) -> bytes:
-    return band.encode() + b"/" + entry_id if band else entry_id
+def ref(band: str, entry_id: bytes, shard: int = 0) -> bytes:
+    lane = f"{band}@{shard}" if shard else band
+    return lane.encode() + b"/" + entry_id if lane else entry_id
 
 
 def locate(keys: Keys, entry_ref: bytes) -> tuple[str, bytes]:
     """The stream and the entry id an entry ref names."""
-    band, _, entry_id = entry_ref.rpartition(b"/")
-    return keys.request_stream_of(band.decode()), entry_id
+    lane, _, entry_id = entry_ref.rpartition(b"/")
+    band, _, shard = lane.decode().partition("@")
+    return keys.request_stream_of(band, int(shard or 0)), entry_id
+
+
+def _shards_from_random(keys: Keys) -> list[int]:
+    """Every shard once, starting at a random one (fair reads without shared state)."""
+    first = random.randrange(keys.stream_shards)
+    return [(first + i) % keys.stream_shards for i in range(keys.stream_shards)]
 
 
 async def ensure_group(r: aioredis.Redis, keys: Keys) -> None:
@@ -62,7 +78,7 @@ async def ensure_group(r: aioredis.Redis, keys: Keys) -> None:
 def submit(pipe: aioredis.client.Pipeline, keys: Keys, job: protocol.GenerateJob) -> None:
     """Queue XADD of `job` to its priority band's stream on `pipe` (the caller executes)."""
     pipe.xadd(
-        keys.request_stream_of(band_of(job.priority)),
+        keys.request_stream_of(band_of(job.priority), keys.shard(job.rid)),
         {_FIELD: protocol.encode(job)},
         maxlen=REQUEST_STREAM_MAXLEN,
         approximate=True,
@@ -72,18 +88,35 @@ def submit(pipe: aioredis.client.Pipeline, keys: Keys, job: protocol.GenerateJob
 async def read(
     r: aioredis.Redis, keys: Keys, consumer: str, count: int, block_ms: int | None
 ) -> list[Job]:
-    """Read up to `count` new jobs for `consumer`, from the highest band down; only the
-    default band's read blocks (for `block_ms`), and only when the high band had none.
-    Undecodable entries come back as None so the caller can ack them (a bad job must not
-    be redelivered forever)."""
-    if block_ms is None:  # busy: every band in one round trip
-        return await _read_bands(r, keys, consumer, count)
+    """Read up to `count` new jobs for `consumer`, shard by shard, in each from the highest
+    band down; when nothing was found and `block_ms` is set, one shard's default band is
+    read blocking, for `block_ms` split over the shards (so an idle scheduler comes back to
+    the others that often). Undecodable entries come back as None so the caller can ack
+    them (a bad job must not be redelivered forever)."""
+    shards = _shards_from_random(keys)
+    out: list[Job] = []
+    for shard in shards:
+        if len(out) >= count:
+            break
+        if block_ms is None or keys.stream_shards > 1:  # every band in one round trip
+            out += await _read_bands(r, keys, shard, consumer, count - len(out))
+        else:  # the one shard: its bands in turn, the default one blocking
+            out += await _read_shard(r, keys, shard, consumer, count, block_ms)
+    if not out and block_ms is not None and keys.stream_shards > 1:
+        block_ms = max(1, block_ms // keys.stream_shards)
+        out += await _read_band(r, keys, "", shards[0], consumer, count, block_ms)
+    return out
+
+
+async def _read_shard(
+    r: aioredis.Redis, keys: Keys, shard: int, consumer: str, count: int, block_ms: int
+) -> list[Job]:
     out: list[Job] = []
     for band in PRIORITY_BANDS:
         if len(out) >= count:
             break
         block = block_ms if band == "" and not out else None
-        out += await _read_band(r, keys, band, consumer, count - len(out), block)
+        out += await _read_band(r, keys, band, shard, consumer, count - len(out), block)
     return out
 
 
@@ -106,13 +139,14 @@ return out
 """
 
 
-async def _read_bands(r: aioredis.Redis, keys: Keys, consumer: str, count: int) -> list[Job]:
-    streams = [keys.request_stream_of(band) for band in PRIORITY_BANDS]
-    script = r.register_script(_READ_BANDS)
-    args: list[str | int] = [SCHEDULER_GROUP, consumer, count]
-    replies = await _in_group(r, keys, script(keys=streams, args=args))
+async def _read_bands(
+    r: aioredis.Redis, keys: Keys, shard: int, consumer: str, count: int
+) -> list[Job]:
+    streams = keys.shard_streams(shard)
+    read = eval_script(r, _READ_BANDS, streams, [SCHEDULER_GROUP, consumer, count])
+    replies = await _in_group(r, keys, read)
     return [
-        (ref(PRIORITY_BANDS[int(i) - 1], entry_id), _decode_job(entry_id, _pairs(fields)))
+        (ref(PRIORITY_BANDS[int(i) - 1], entry_id, shard), _decode_job(entry_id, _pairs(fields)))
         for i, entries in replies or []
         for entry_id, fields in entries
     ]
@@ -134,13 +168,19 @@ def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
 
 
 async def _read_band(
-    r: aioredis.Redis, keys: Keys, band: str, consumer: str, count: int, block_ms: int | None
+    r: aioredis.Redis,
+    keys: Keys,
+    band: str,
+    shard: int,
+    consumer: str,
+    count: int,
+    block_ms: int | None,
 ) -> list[Job]:
-    stream = keys.request_stream_of(band)
+    stream = keys.request_stream_of(band, shard)
     read = r.xreadgroup(SCHEDULER_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
     resp = await _in_group(r, keys, read)
     return [
-        (ref(band, entry_id), _decode_job(entry_id, fields))
+        (ref(band, entry_id, shard), _decode_job(entry_id, fields))
         for _stream, entries in resp or []
         for entry_id, fields in entries
     ]
@@ -151,12 +191,14 @@ async def reclaim(
 ) -> list[Job]:
     """XAUTOCLAIM up to `count` entries idle at least `min_idle_ms` (their owner stopped
     renewing them: dead or frozen), highest band first, each band from its cursor on
-    (`cursors` is advanced)."""
+    (`cursors` is advanced), the shards from a random one."""
     jobs: list[Job] = []
-    for band in PRIORITY_BANDS:
+    lanes = [(shard, band) for shard in _shards_from_random(keys) for band in PRIORITY_BANDS]
+    for shard, band in lanes:
         if len(jobs) >= count:
             break
-        stream, cursor = keys.request_stream_of(band), cursors.get(band, b"0-0")
+        stream = keys.request_stream_of(band, shard)
+        cursor = cursors.get(stream, b"0-0")
         try:
             resp = await r.xautoclaim(stream, SCHEDULER_GROUP, consumer, min_idle_ms, cursor,
                                       count=count - len(jobs))  # fmt: skip
@@ -166,8 +208,8 @@ async def reclaim(
             await ensure_group(r, keys)
             cursors.clear()
             return jobs
-        cursors[band] = resp[0]
-        jobs += [(ref(band, e), _decode_job(e, fields)) for e, fields in resp[1] if fields]
+        cursors[stream] = resp[0]
+        jobs += [(ref(band, e, shard), _decode_job(e, fields)) for e, fields in resp[1] if fields]
     return jobs
 
 
@@ -212,7 +254,7 @@ async def retry_dead_letter(r: aioredis.Redis, keys: Keys, rid: str) -> bool:
         if fields.get(b"rid", b"").decode() != rid:
             continue
         job: protocol.GenerateJob = protocol.decode(fields[_FIELD], protocol.GenerateJob)
-        async with r.pipeline(transaction=True) as pipe:
+        async with atomic(r) as pipe:
             request_state.requeue(pipe, keys, rid)
             submit(pipe, keys, job)
             pipe.xdel(keys.dead_letters, entry_id)

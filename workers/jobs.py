@@ -22,7 +22,7 @@ from redis.asyncio import ConnectionPool
 from shared import batches, heartbeat, job_queue
 from shared.config import Settings, get_settings
 from shared.heartbeat import JOBS, Beat
-from shared.keys import HEARTBEAT_EVERY_S, Keys
+from shared.keys import HEARTBEAT_EVERY_S
 from shared.logging_setup import configure_logging
 from shared.redis_conn import connect
 from workers import maintenance
@@ -40,7 +40,7 @@ async def run_batch(ctx: dict[str, Any], batch_id: str, attempt: int) -> str:
     """Run one batch to its end (or to a cancel, an expiry, a lost lease)."""
     settings: Settings = ctx["settings"]
     redis = ctx["redis"]
-    keys = Keys(settings.key_prefix)
+    keys = settings.redis_keys()
     record = await batches.get(redis, keys, batch_id)
     if record is None or record.status in batches.TERMINAL or record.attempt != attempt:
         return "stale"
@@ -58,7 +58,7 @@ async def run_batch(ctx: dict[str, Any], batch_id: str, attempt: int) -> str:
 
 
 async def _beat(settings: Settings, redis: Any) -> None:
-    keys = Keys(settings.key_prefix)
+    keys = settings.redis_keys()
     while True:
         with contextlib.suppress(Exception):
             async with redis.pipeline(transaction=False) as pipe:
@@ -69,7 +69,7 @@ async def _beat(settings: Settings, redis: Any) -> None:
 
 async def startup(ctx: dict[str, Any]) -> None:
     settings: Settings = ctx["settings"]
-    redis = connect(settings.redis_url)
+    redis = connect(settings.redis_url, settings.redis_cluster)
     client = FleetClient(settings, redis)
     await client.start()
     ctx.update(redis=redis, client=client, batch_slots=asyncio.Semaphore(settings.jobs.max_batches))
@@ -86,7 +86,7 @@ async def shutdown(ctx: dict[str, Any]) -> None:
         return
     with contextlib.suppress(Exception):
         async with redis.pipeline(transaction=False) as pipe:
-            heartbeat.forget(pipe, Keys(settings.key_prefix), settings.jobs.worker_id, JOBS)
+            heartbeat.forget(pipe, settings.redis_keys(), settings.jobs.worker_id, JOBS)
             await pipe.execute()
     await ctx["client"].close()
     await redis.aclose()
@@ -94,7 +94,7 @@ async def shutdown(ctx: dict[str, Any]) -> None:
 
 def build_worker(settings: Settings, *, burst: bool = False) -> Worker:
     """The arq worker (constructs, connects nothing)."""
-    keys = Keys(settings.key_prefix)
+    keys = settings.redis_keys()
     pool = ArqRedis(
         ConnectionPool.from_url(settings.redis_url),
         job_serializer=job_queue.serialize,
@@ -127,6 +127,9 @@ def main(settings: Settings) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.root.level))
     if not settings.redis_url:
         logger.error("the jobs tier needs a Redis: set REDSERVE_REDIS_URL or --redis-url")
+        sys.exit(2)
+    if settings.redis_cluster:
+        logger.error("the jobs tier (arq) needs a single Redis, not a Redis Cluster")
         sys.exit(2)
     try:
         build_worker(settings).run()

@@ -49,7 +49,7 @@ def cron_jobs(keys: Keys) -> list[CronJob]:
 
 def _context(ctx: dict[str, Any]) -> tuple[Settings, aioredis.Redis, Keys]:
     settings: Settings = ctx["settings"]
-    return settings, ctx["redis"], Keys(settings.key_prefix)
+    return settings, ctx["redis"], settings.redis_keys()
 
 
 async def recover_batches(ctx: dict[str, Any]) -> int:

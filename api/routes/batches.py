@@ -21,6 +21,7 @@ from api.tokenizer_manager import TokenizerManager
 from shared import batches, job_queue
 from shared.batch_lines import LineError, read_lines
 from shared.batches import COMPLETION_WINDOWS, BatchRecord
+from shared.redis_conn import is_cluster
 
 router = make_router("batches")
 
@@ -32,6 +33,9 @@ def _count_lines(path: Any, endpoint: str, max_lines: int) -> int:
 
 @router.post("/v1/batches")
 async def create_batch(body: CreateBatchRequest, tm: TokenizerManagerDep) -> dict[str, Any]:
+    if is_cluster(tm.redis):  # arq, the jobs tier's queue, needs one Redis
+        raise ApiError("The Batch API needs a single Redis; this fleet runs on a Redis Cluster.",
+                       code="not_implemented", status_code=501)  # fmt: skip
     store = file_store(tm)
     try:
         source = await find(store, body.input_file_id)

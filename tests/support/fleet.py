@@ -23,13 +23,14 @@ from shared import protocol
 from shared.config import Settings, child_process_env
 from shared.embedded_redis import EmbeddedRedis, free_port
 from shared.keys import SCHEDULER_GROUP, Keys
+from tests.support.cluster import LocalCluster, subscribe, sync_client
 
 READY_TIMEOUT_S = 180
 
 
 @dataclass
 class Fleet:
-    server: EmbeddedRedis
+    server: EmbeddedRedis | LocalCluster
     settings: Settings  # what every process starts from
     log_dir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -37,10 +38,10 @@ class Fleet:
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.settings.key_prefix)
+        return self.settings.redis_keys()
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.server.url, decode_responses=True)
+        return sync_client(self.settings, decode_responses=True)
 
     def url(self, api: str = "api") -> str:
         return f"http://127.0.0.1:{self.ports[api]}"
@@ -187,8 +188,7 @@ class Tap:
 
     def __init__(self, fleet: Fleet, api: str = "api") -> None:
         self.entries: list[protocol.TextEntry] = []
-        self._pubsub = redis.Redis.from_url(fleet.server.url).pubsub()  # bytes: msgpack
-        self._pubsub.subscribe(fleet.keys.output_channel(api))
+        self._pubsub = subscribe(fleet.settings, fleet.keys.output_channel(api))  # bytes: msgpack
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._stop = False
         self._thread.start()
@@ -200,7 +200,7 @@ class Tap:
             except redis.ConnectionError:
                 time.sleep(0.2)  # Redis restarting: redis-py resubscribes on the next call
                 continue
-            if msg and msg["type"] == "message":
+            if msg and msg["type"] in ("message", "smessage"):
                 self.entries += protocol.decode(msg["data"], protocol.OutputMessage).entries
 
     def close(self) -> None:

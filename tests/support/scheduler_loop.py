@@ -125,12 +125,17 @@ async def take_as(r: aioredis.Redis, keys: Keys, consumer: str) -> bytes:
 
 
 async def make_idle(
-    r: aioredis.Redis, keys: Keys, consumer: str, entry_id: bytes, deliveries: int | None = None
+    r: aioredis.Redis,
+    keys: Keys,
+    consumer: str,
+    entry_id: bytes,
+    deliveries: int | None = None,
+    stream: str | None = None,
 ) -> None:
-    """Age `consumer`'s entry past any reclaim time, as if its owner stopped renewing it a
-    minute ago (optionally with a delivery count)."""
-    await r.xclaim(keys.request_stream, SCHEDULER_GROUP, consumer, 0, [entry_id], idle=60_000,
-                   retrycount=deliveries, justid=True)  # fmt: skip
+    """Age `consumer`'s entry (of `stream`, default the default one) past any reclaim time,
+    as if its owner stopped renewing it a minute ago (optionally with a delivery count)."""
+    await r.xclaim(stream or keys.request_stream, SCHEDULER_GROUP, consumer, 0, [entry_id],
+                   idle=60_000, retrycount=deliveries, justid=True)  # fmt: skip
 
 
 async def generated_before(

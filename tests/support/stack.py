@@ -16,6 +16,7 @@ import redis
 from redserve.supervisor import start_tiers, stop_tiers
 from shared.config import Settings
 from shared.keys import Keys
+from tests.support.cluster import sync_client
 
 STARTUP_TIMEOUT_S = 180
 
@@ -32,10 +33,10 @@ class Stack:
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.settings.key_prefix)
+        return self.settings.redis_keys()
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
+        return sync_client(self.settings, decode_responses=True)
 
     def logs(self) -> str:
         return "\n".join(

@@ -19,6 +19,8 @@ TOP_LEVEL = {
     "api": {
         "model",
         "redis_url",
+        "redis_cluster",
+        "stream_shards",
         "key_prefix",
         "cache_dir",
         "context_length",
@@ -28,6 +30,8 @@ TOP_LEVEL = {
     "scheduler": {
         "model",
         "redis_url",
+        "redis_cluster",
+        "stream_shards",
         "key_prefix",
         "num_token_shards",
         "cache_dir",
@@ -37,6 +41,8 @@ TOP_LEVEL = {
     "detokenizer": {
         "model",
         "redis_url",
+        "redis_cluster",
+        "stream_shards",
         "key_prefix",
         "num_token_shards",
         "cache_dir",
@@ -47,6 +53,8 @@ TOP_LEVEL = {
     "jobs": {
         "model",
         "redis_url",
+        "redis_cluster",
+        "stream_shards",
         "key_prefix",
         "cache_dir",
         "context_length",

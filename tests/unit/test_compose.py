@@ -29,6 +29,7 @@ from workers.scheduler.metrics import SchedulerMetrics
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 GPU_OVERRIDE = COMPOSE.parent / "deploy" / "compose.gpu.yaml"
 LOADTEST_OVERRIDE = COMPOSE.parent / "deploy" / "compose.loadtest.yaml"
+CLUSTER_OVERRIDE = COMPOSE.parent / "deploy" / "compose.cluster.yaml"
 FILES_DIR = "/var/lib/redserve/files"
 
 
@@ -119,6 +120,45 @@ def test_the_loadtest_override_runs_null_schedulers_and_every_tier_agrees_on_the
     shards = {services[n]["environment"].get("REDSERVE_NUM_TOKEN_SHARDS") for n in
               ("api", "scheduler", "detokenizer", "jobs")}  # fmt: skip
     assert shards == {str(settings.num_token_shards)}
+
+
+def test_the_cluster_override_forms_a_cluster_and_points_every_tier_but_jobs_at_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    services = _config(CLUSTER_OVERRIDE)["services"]
+    nodes = sorted(name for name in services if name.startswith("redis-node-"))
+    assert len(nodes) == 3
+    for name in nodes:
+        command = services[name]["command"]
+        assert command[0] == "redis-server", name
+        assert command[command.index("--cluster-enabled") + 1] == "yes", name
+        assert services[name]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"], name
+    init = services["redis-cluster-init"]
+    script = " ".join(init["command"])
+    assert "--cluster create " + " ".join(f"{n}:6379" for n in nodes) in script
+    assert "--cluster-replicas 0 --cluster-yes" in script
+    assert {init["depends_on"][n]["condition"] for n in nodes} == {"service_healthy"}
+    # arq needs one plain Redis: neither it nor the base redis runs with this override.
+    assert "jobs" not in services and "redis" not in services
+    tiers = ("api", "scheduler", "detokenizer")
+    base = _config()["services"]
+    for name in tiers:
+        env, depends = services[name]["environment"], services[name]["depends_on"]
+        assert env["REDSERVE_REDIS_CLUSTER"] == "true", name
+        assert depends["redis-cluster-init"]["condition"] == "service_completed_successfully"
+        assert "redis" not in depends, name
+        kept = {k: v for k, v in base[name]["environment"].items() if k != "REDSERVE_REDIS_URL"}
+        assert env.items() >= kept.items(), name  # merged, not replaced
+    shared = {k: {services[n]["environment"][k] for n in tiers}
+              for k in ("REDSERVE_REDIS_URL", "REDSERVE_STREAM_SHARDS")}  # fmt: skip
+    assert all(len(values) == 1 for values in shared.values()), shared
+    (url,), (shards,) = shared.values()
+    assert url.startswith(f"redis://{nodes[0]}:6379")
+    for name, value in services["api"]["environment"].items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert settings.redis_cluster and settings.redis_url == url
+    assert settings.stream_shards == int(shards) > 1
 
 
 def test_jobs_is_checked_for_health_and_shares_the_file_store_with_the_api(

@@ -24,7 +24,7 @@ from shared.batch_lines import BatchLine, LineError, failed_line, read_lines, re
 from shared.batches import BatchRecord
 from shared.config import Settings
 from shared.file_store import FileStore
-from shared.keys import Keys
+from shared.redis_conn import atomic
 from workers.batch.fleet_client import FleetClient, LineAnswer
 from workers.batch.journal import Journal, result_file_ids
 
@@ -53,7 +53,7 @@ class BatchRun:
     ) -> None:
         self.settings = settings
         self.redis = redis
-        self.keys = Keys(settings.key_prefix)
+        self.keys = settings.redis_keys()
         self.client = client
         self.record = record
         self.store = FileStore(redis, self.keys, settings.files_path())
@@ -133,7 +133,7 @@ class BatchRun:
         ok = answer.status_code == 200
         entry = result_line(custom_id, rid, answer.status_code, answer.body)
         self.journal.write(custom_id, entry, ok)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.redis) as pipe:
             pipe.hdel(self.keys.batch_lines(self.record.id), custom_id)
             batches.count(pipe, self.keys, self.record.id, "completed" if ok else "failed")
             await pipe.execute()

@@ -14,7 +14,6 @@ import sys
 from typing import cast
 
 from shared.config import Settings, get_settings
-from shared.keys import Keys
 from shared.logging_setup import configure_logging
 from shared.model_files import resolve_model
 from shared.redis_conn import connect
@@ -34,8 +33,8 @@ def load_tokenizer(settings: Settings) -> Tokenizer:
 
 async def serve(settings: Settings, tokenizer: Tokenizer) -> None:
     """Run one DetokenizerLoop until SIGINT/SIGTERM, then hand its shards over."""
-    redis = connect(settings.redis_url)
-    loop = DetokenizerLoop(redis, Keys(settings.key_prefix), settings, tokenizer)
+    redis = connect(settings.redis_url, settings.redis_cluster)
+    loop = DetokenizerLoop(redis, settings.redis_keys(), settings, tokenizer)
     event_loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         event_loop.add_signal_handler(sig, loop.stop)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from shared.keys import HEARTBEAT_TTL_S, Keys
+from shared.redis_conn import eval_script
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,6 @@ class ShardLeases:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.pin_s = pin_s
         self._clock = clock
-        self._renew = redis.register_script(_RENEW)
-        self._release = redis.register_script(_RELEASE)
         self.owned: set[int] = set()
         # Shards whose lease lapsed at the last tick (even if taken again since): another
         # detokenizer may have served them meanwhile.
@@ -159,9 +158,7 @@ class ShardLeases:
             return
         pipe = self.redis.pipeline(transaction=False)
         for shard in chosen:
-            await self._release(
-                keys=[self.keys.shard_lease(shard)], args=[self.worker_id], client=pipe
-            )
+            eval_script(pipe, _RELEASE, [self.keys.shard_lease(shard)], [self.worker_id])
         await pipe.execute()
         self.owned.difference_update(chosen)
         logger.info("released shards %s", chosen)
@@ -173,9 +170,8 @@ class ShardLeases:
             return
         pipe = self.redis.pipeline(transaction=False)
         for shard in shards:
-            await self._renew(
-                keys=[self.keys.shard_lease(shard)], args=[self.worker_id, self.ttl_ms], client=pipe
-            )
+            lease = [self.keys.shard_lease(shard)]
+            eval_script(pipe, _RENEW, lease, [self.worker_id, self.ttl_ms])
         for shard, renewed in zip(shards, await pipe.execute(), strict=True):
             if not renewed:
                 logger.warning("lost the lease of shard %d", shard)
@@ -183,8 +179,10 @@ class ShardLeases:
                 self.lapsed.add(shard)
 
     async def _holders(self) -> dict[int, str | None]:
-        names = [self.keys.shard_lease(s) for s in range(self.num_shards)]
-        values = await self.redis.mget(names)
+        pipe = self.redis.pipeline(transaction=False)  # GETs: a cluster spreads the leases
+        for shard in range(self.num_shards):
+            pipe.get(self.keys.shard_lease(shard))
+        values = await pipe.execute()
         return {s: _as_str(v) for s, v in enumerate(values)}
 
     async def _acquire(self, shards: list[int]) -> list[int]:

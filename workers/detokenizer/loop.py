@@ -21,7 +21,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import heartbeat, protocol, request_state
+from shared import heartbeat, protocol, pubsub, request_state
 from shared.config import Settings
 from shared.keys import HEARTBEAT_EVERY_S, Keys, shard_of
 from workers.detokenizer.core import DetokenizerCore, Fetched, Needs, Tokenizer
@@ -81,9 +81,9 @@ class DetokenizerLoop:
         """Subscribe to `ctl`, then beat and take leases if a tick is due (idempotent).
         Messages published before a subscription are not seen: pub/sub."""
         if self._pubsub is None:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            self._pubsub, self._subscribed, self._next_tick = pubsub, {}, 0.0
-            await pubsub.subscribe(self.keys.control_channel)
+            sub = pubsub.subscriber(self.redis, ignore_subscribe_messages=True)
+            self._pubsub, self._subscribed, self._next_tick = sub, {}, 0.0
+            await sub.subscribe(self.keys.control_channel)
         if time.monotonic() >= self._next_tick:
             await self.maintain()
 
@@ -110,10 +110,10 @@ class DetokenizerLoop:
 
     async def close(self) -> None:
         """Drop the subscription (errors ignored: the connection may already be gone)."""
-        pubsub, self._pubsub, self._subscribed = self._pubsub, None, {}
-        if pubsub is not None:
+        sub, self._pubsub, self._subscribed = self._pubsub, None, {}
+        if sub is not None:
             try:
-                await pubsub.aclose()
+                await sub.aclose()
             except (RedisError, OSError) as exc:
                 logger.debug("closing pub/sub: %r", exc)
 
@@ -203,7 +203,7 @@ class DetokenizerLoop:
             for i in range(0, len(entries), MAX_ENTRIES_PER_MESSAGE):
                 chunk = entries[i : i + MAX_ENTRIES_PER_MESSAGE]
                 message = protocol.encode(protocol.TextBatch(entries=chunk))
-                pipe.publish(self.keys.output_channel(api_id), message)
+                pubsub.publish(pipe, self.keys.output_channel(api_id), message)
         await pipe.execute()
 
     # -- internals ---------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer
 
 from shared.config import Settings, get_settings
-from shared.keys import Keys
 from shared.logging_setup import configure_logging
 from shared.model_files import resolve_model
 from shared.redis_conn import connect
@@ -86,8 +85,8 @@ def build_loop(settings: Settings) -> SchedulerLoop:
     logger.info(
         "ready: context %d tokens, eos ids %s", core.max_model_len, sorted(config.eos_token_ids)
     )
-    redis = connect(settings.redis_url)
-    keys = Keys(settings.key_prefix)
+    redis = connect(settings.redis_url, settings.redis_cluster)
+    keys = settings.redis_keys()
     return SchedulerLoop(redis, keys, settings, core, runner, model_path, grammars)
 
 
@@ -149,7 +148,7 @@ def _loading_beat(settings: Settings) -> contextlib.AbstractContextManager[objec
     """Beats "loading" with a progress text until the loop exists (loading.py)."""
     if not settings.redis_url:
         return contextlib.nullcontext()  # build_loop refuses to run anyway
-    keys = Keys(settings.key_prefix)
+    keys = settings.redis_keys()
     return LoadingBeat(settings.redis_url, keys, settings.scheduler.worker_id)
 
 

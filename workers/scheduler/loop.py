@@ -23,9 +23,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared import fleet_control, heartbeat, ownership, protocol, request_state, request_stream
+from shared import (
+    fleet_control,
+    heartbeat,
+    ownership,
+    protocol,
+    pubsub,
+    request_state,
+    request_stream,
+)
 from shared.config import Settings
 from shared.keys import HEARTBEAT_EVERY_S, Keys
+from shared.redis_conn import atomic
 from workers.scheduler.core.scheduler import Scheduler
 from workers.scheduler.core.sequence import Sequence, SequenceStatus
 from workers.scheduler.grammar.compiler import GrammarCompiler
@@ -207,9 +216,9 @@ class SchedulerLoop:
 
     async def _start(self) -> None:
         await request_stream.ensure_group(self.redis, self.keys)
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.keys.control_channel)
-        self._pubsub = pubsub
+        sub = pubsub.subscriber(self.redis)
+        await sub.subscribe(self.keys.control_channel)
+        self._pubsub = sub
         # Subscribed first: a change after this read is heard as a broadcast.
         async with self.redis.pipeline(transaction=False) as pipe:
             fleet_control.read(pipe, self.keys)
@@ -217,10 +226,10 @@ class SchedulerLoop:
         logger.info("worker %s serving %s", self.worker_id, self.keys.request_stream)
 
     async def _drop_pubsub(self) -> None:
-        pubsub, self._pubsub = self._pubsub, None
-        if pubsub is not None:
+        sub, self._pubsub = self._pubsub, None
+        if sub is not None:
             try:
-                await pubsub.aclose()
+                await sub.aclose()
             except RedisError:
                 pass
 
@@ -344,12 +353,11 @@ class SchedulerLoop:
         steps, batches = step_writes(
             outbox, self.worker_id, self.keys, self.settings.num_token_shards, version
         )
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = atomic(self.redis)
         for entry_id in self._to_ack:
             request_stream.ack(pipe, self.keys, entry_id)
         step_at = len(pipe)
-        if steps:
-            ownership.publish_step(pipe, self.keys, steps, batches)
+        plan = ownership.publish_step(pipe, self.keys, steps, batches) if steps else None
         renew_at = control_at = -1
         renewed: list[list[bytes]] = []
         if heartbeat_due:
@@ -361,7 +369,10 @@ class SchedulerLoop:
         first_query = len(pipe)
         request_state.query_aborted(pipe, self.keys, live_rids)
         results = await pipe.execute()
-        stale, unsent = ownership.step_result(results[step_at]) if steps else (set(), [])
+        stale, unsent = (
+            ownership.step_result(plan, results[step_at : step_at + len(plan.groups)])
+            if plan else (set(), [])
+        )
         lost = ownership.lost_entries(renewed, results[renew_at : renew_at + len(renewed)])
         await self._publish(current_batches(self.worker_id, steps, batches, unsent, stale))
         self._committed(outbox, stale, lost)
@@ -376,7 +387,7 @@ class SchedulerLoop:
         if batches:
             pipe = self.redis.pipeline(transaction=False)
             for channel, payload in batches:
-                pipe.publish(channel, payload)
+                pubsub.publish(pipe, channel, payload)
             await pipe.execute()
 
     def _committed(self, sent: list[Sequence], stale: set[int], lost: set[bytes]) -> None:
