@@ -73,6 +73,7 @@ async def startup(ctx: dict[str, Any]) -> None:
     client = FleetClient(settings, redis)
     await client.start()
     ctx.update(redis=redis, client=client, batch_slots=asyncio.Semaphore(settings.jobs.max_batches))
+    ctx[maintenance.LEASELESS] = set()
     ctx["beat"] = asyncio.create_task(_beat(settings, redis))
     logger.info("jobs worker %s ready", settings.jobs.worker_id)
 

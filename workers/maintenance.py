@@ -3,7 +3,8 @@ worker takes it), off the request path:
 
 - recover_batches (every 5 s): an unfinished batch whose run is gone (no lease, its arq job
   neither queued nor waiting) gets a new run (`attempt` + 1), which resumes from its journal;
-  after MAX_RUNS runs it fails.
+  after MAX_RUNS runs it fails. A job arq has just started takes its lease a moment later, so
+  one in progress without a lease is taken for dead only when an earlier pass saw it so too.
 - trim_streams (every minute): each request stream loses the entries every scheduler is done
   with (XTRIM MINID below the oldest pending or undelivered one); dead letters older than
   DEAD_LETTER_KEEP_S go.
@@ -34,6 +35,9 @@ MAX_RUNS = 5
 # its 24 h window).
 STALE_PART_S = 2 * 86400
 _ALIVE = (JobStatus.queued, JobStatus.deferred)
+# The worker's ctx holds the (batch, attempt)s its last pass saw in progress without a lease:
+# a set made at startup, as arq hands each job a copy of the ctx.
+LEASELESS = "leaseless_batches"
 
 
 def cron_jobs(keys: Keys) -> list[CronJob]:
@@ -57,6 +61,9 @@ async def recover_batches(ctx: dict[str, Any]) -> int:
     _, r, keys = _context(ctx)
     arq = job_queue.arq_client(r, keys)
     recovered = 0
+    leaseless: set[tuple[str, int]] = ctx.setdefault(LEASELESS, set())
+    seen_before = set(leaseless)
+    leaseless.clear()
     for batch_id in await batches.active(r, keys):
         record = await batches.get(r, keys, batch_id)
         if record is None or record.status in batches.TERMINAL:
@@ -66,8 +73,13 @@ async def recover_batches(ctx: dict[str, Any]) -> int:
             continue
         job = Job(job_queue.batch_job_id(keys, batch_id, record.attempt), arq,
                   _queue_name=keys.jobs_queue, _deserializer=job_queue.deserialize)  # fmt: skip
-        if await job.status() in _ALIVE:
+        status = await job.status()
+        if status in _ALIVE:
             continue
+        if status == JobStatus.in_progress:  # started, or its worker died holding it
+            leaseless.add((batch_id, record.attempt))
+            if (batch_id, record.attempt) not in seen_before:
+                continue
         await _rerun(r, keys, record)
         recovered += 1
     return recovered

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from arq.constants import in_progress_key_prefix
 
 from shared import batches, job_queue
 from shared.batches import BatchRecord
@@ -93,6 +94,25 @@ async def test_an_orphaned_batch_gets_a_new_run_and_a_live_one_is_left_alone(
     job = job_queue.deserialize(payload)  # msgpack, never pickle
     assert job["f"] == job_queue.RUN_BATCH and list(job["a"]) == ["orphan", 1]
     assert await maintenance.recover_batches(ctx) == 0  # its new run is queued
+
+
+async def test_a_run_in_progress_without_a_lease_is_rerun_only_when_seen_so_twice(
+    ctx: dict[str, Any], real_redis: aioredis.Redis, keys: Keys
+) -> None:
+    await _active(real_redis, keys, "starting")
+    await _active(real_redis, keys, "dead")
+    for batch_id in ("starting", "dead"):  # arq has started both jobs; neither holds a lease
+        job_id = job_queue.batch_job_id(keys, batch_id, 0)
+        await real_redis.set(in_progress_key_prefix + job_id, b"1", px=60_000)
+    ctx[maintenance.LEASELESS] = set()  # as the jobs worker's startup makes it
+    # arq runs each cron pass with a copy of the worker's ctx.
+    assert await maintenance.recover_batches({**ctx}) == 0  # a run may be about to take its lease
+    await real_redis.set(keys.batch_lease("starting"), "run-0", px=10_000)  # and one did
+    assert await maintenance.recover_batches({**ctx}) == 1
+    dead = await batches.get(real_redis, keys, "dead")
+    starting = await batches.get(real_redis, keys, "starting")
+    assert dead is not None and dead.attempt == 1
+    assert starting is not None and starting.attempt == 0
 
 
 async def test_a_batch_whose_runs_keep_dying_fails(
