@@ -48,9 +48,13 @@ def sharded(client: Any) -> bool:
 
 
 def publish(client: Any, channel: str, payload: bytes) -> Any:
-    """PUBLISH, or SPUBLISH on a cluster with sharded pub/sub (client or pipeline)."""
+    """PUBLISH, or SPUBLISH on a cluster with sharded pub/sub (client or pipeline). A
+    classic PUBLISH on a cluster goes to any one node (each forwards it to all)."""
     if sharded(client):
         return client.execute_command("SPUBLISH", channel, payload)
+    if is_cluster(client):
+        target = RedisCluster.DEFAULT_NODE
+        return client.execute_command("PUBLISH", channel, payload, target_nodes=target)
     return client.publish(channel, payload)
 
 
