@@ -1,13 +1,16 @@
 """Crash recovery on a real 3-node Redis Cluster (its own, started by this module): two null
 schedulers, two detokenizers and two api replicas as processes, `--redis-cluster
 --stream-shards 6`. kill -9 of the scheduler, of the detokenizer that serves a stream, or of
-the api replica that streams it: the client's text equals the no-fault text (a null
-scheduler's tokens are a function of prompt and position, so a resume continues them), and
-the fleet's invariants hold after each."""
+the api replica that streams it; a scheduler frozen past the reclaim time that wakes up; a
+scheduler's SIGTERM hand-over; a dead replica's stream that nobody re-attaches. The client's
+text equals the no-fault text (a null scheduler's tokens are a function of prompt and
+position, so a resume continues them), and the fleet's invariants hold after each."""
 
 from __future__ import annotations
 
 import json
+import signal
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -33,7 +36,10 @@ pytestmark = [pytest.mark.redis, pytest.mark.faults, pytest.mark.model]
 PROMPT = "The history of the printing press begins"
 NUM_TOKENS = 40
 TOKEN_SHARDS = 2
-NULL = {"REDSERVE_SCHEDULER__ENGINE": "null", "REDSERVE_SCHEDULER__NULL_STEP_MS": "25"}
+SCHEDULERS = ("null-a", "null-b")
+# DRAIN_S is shorter than the rest of a request: SIGTERM hands it over instead of finishing it.
+NULL = {"REDSERVE_SCHEDULER__ENGINE": "null", "REDSERVE_SCHEDULER__NULL_STEP_MS": "25",
+        "REDSERVE_SCHEDULER__DRAIN_S": "0.3"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +60,7 @@ def stack(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             fleet.start(name, "detokenizer")
         for name in ("api", "api-b"):
             fleet.start(name, "api")
-        for name in ("null-a", "null-b"):
+        for name in SCHEDULERS:
             fleet.start(name, "scheduler", env=NULL)
         yield fleet
     finally:
@@ -119,6 +125,83 @@ def test_a_killed_api_replica_s_stream_is_reattached_on_the_other(stack: Fleet) 
     assert state["status"] == "finished" and state["api_id"] == "api-b"
     assert_invariants(stack)
     stack.start("api", "api")
+
+
+def test_a_frozen_scheduler_that_wakes_up_publishes_nothing_for_the_request_it_lost(
+    stack: Fleet, tap: Tap
+) -> None:
+    body = completion(PROMPT + " and spreads", NUM_TOKENS)
+    reference = no_fault_text(stack.url(), body)
+    rid = f"frozen-{uuid.uuid4().hex[:8]}"
+    stream, events = stream_until(stack.url(), {**body, "rid": rid}, 5)
+    owner = stack.worker_of(rid)
+    stack.signal(owner, signal.SIGSTOP)  # past the reclaim time: the other takes it over
+    owner_woke = False
+    try:
+        for event in stream:
+            events.append(event)
+            if not owner_woke and stack.worker_of(rid) != owner:
+                stack.signal(owner, signal.SIGCONT)  # wakes up with the request still in hand
+                owner_woke = True
+    finally:
+        stack.signal(owner, signal.SIGCONT)
+
+    assert owner_woke
+    assert text_of(events) == reference
+    assert finishes(events) == ["length"]
+    time.sleep(1)  # the woken owner's next steps are refused
+    assert stack.alive()[owner], "the woken scheduler must not crash"
+    assert_invariants(stack, tap)
+    assert {e.epoch for e in tap.of(rid)} <= {1, 2}
+
+
+def test_sigterm_hands_a_scheduler_s_requests_over_at_once(stack: Fleet, tap: Tap) -> None:
+    body = completion(PROMPT + " in Europe", NUM_TOKENS)
+    reference = no_fault_text(stack.url(), body)
+    rid = f"drain-{uuid.uuid4().hex[:8]}"
+    stream, events = stream_until(stack.url(), {**body, "rid": rid}, 3)
+    owner = stack.worker_of(rid)
+    stopped_at = time.monotonic()
+    code = stack.stop(owner)
+    events += list(stream)
+    took_s = time.monotonic() - stopped_at
+
+    assert code == 0
+    assert text_of(events) == reference
+    assert took_s < 10, took_s  # well before a dead owner's jobs become claimable (12 s)
+    assert_invariants(stack, tap)
+    stack.start(owner, "scheduler", env=NULL)
+
+
+def test_a_dead_replica_s_stream_that_nobody_re_attaches_is_aborted(stack: Fleet) -> None:
+    stack.start("api-reaper", "api", env={"REDSERVE_API__ORPHAN_GRACE_S": "2"})
+    stack.start("api-victim", "api")
+    rid = f"orphan-{uuid.uuid4().hex[:8]}"
+    body = completion(PROMPT, 2000, rid=rid)  # 50 s of null steps: far longer than the wait
+    _stream, _events = stream_until(stack.url("api-victim"), body, 3)
+    stack.kill("api-victim")
+    r = stack.redis()
+    deadline = time.monotonic() + 90  # heartbeat TTL (10 s) + grace (2 s) + a reaper pass
+    while r.hget(stack.keys.state(rid), "status") != "aborted" and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+    assert r.hget(stack.keys.state(rid), "status") == "aborted"
+    assert r.llen(stack.keys.ids(rid)) < 2000
+    assert _nothing_running(stack), "a scheduler still runs the aborted request"
+    assert stack.stop("api-reaper") == 0
+    assert_invariants(stack)
+
+
+def _nothing_running(stack: Fleet, timeout_s: float = 10) -> bool:
+    """Whether every scheduler soon beats with nothing running."""
+    r = stack.redis()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        beats = [r.hgetall(stack.keys.heartbeat("scheduler", name)) for name in SCHEDULERS]
+        if all(b and b["num_running"] == "0" for b in beats):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def _reattach(base_url: str, rid: str, last_event_id: int) -> list[dict[str, object]]:
