@@ -10,11 +10,14 @@ and delivered tokens/s (at the clients), requests/s, the fabric's added TTFT and
 null step (p50, p99), the cores each process used (Redis from INFO cpu), peak memory (Redis'
 used_memory, the api's RSS per open stream), and what saturated first.
 
+With --cluster each configuration runs a second time on a local 3-node Redis Cluster
+(--stream-shards 6, sharded pub/sub), its Redis figures summed over the nodes.
+
 With --real it also serves the real model (one torch scheduler) at 16 and 64 streams and
 prints the share of each stepping iteration spent outside the model step: Redis calls and the
 loop's bookkeeping (the scheduler's iteration histograms; DESIGN §6's goal: under 5%).
 
-    python -m bench.fabric --config 1,1,1,64 --config 1,1,1,1024 --real
+    python -m bench.fabric --config 1,1,1,64 --config 1,1,1,1024 --real [--cluster]
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ class Config:
     apis: int
     clients: int
     real: bool = False
+    cluster: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Config:
@@ -52,7 +56,8 @@ class Config:
     @property
     def label(self) -> str:
         engine = "torch" if self.real else "null"
-        return f"{self.schedulers}x{engine} / {self.detokenizers} detok / {self.apis} api"
+        where = " (cluster)" if self.cluster else ""
+        return f"{self.schedulers}x{engine} / {self.detokenizers} detok / {self.apis} api{where}"
 
 
 def _settings(cfg: Config, args: argparse.Namespace) -> Settings:
@@ -63,6 +68,8 @@ def _settings(cfg: Config, args: argparse.Namespace) -> Settings:
         sched.update(engine="null", null_step_ms=args.step_ms, kv_cache_tokens=tokens,
                      max_num_batched_tokens=65536)  # fmt: skip
     return Settings(
+        redis_cluster=cfg.cluster,
+        stream_shards=6 if cfg.cluster else 1,
         key_prefix=f"fab{uuid.uuid4().hex[:6]}",
         model=args.model,
         num_token_shards=max(8, cfg.detokenizers),
@@ -93,7 +100,7 @@ def measure(fleet: BenchFleet, cfg: Config, args: argparse.Namespace) -> dict[st
     urls = [fleet.url(n) for n in fleet.names("api")]
     metrics_urls = [fleet.url(n) + "/metrics" for n in fleet.names("scheduler")]
     run_clients(urls, min(cfg.clients, 16), args.warmup, args.output_len, 1)  # warm-up
-    meter = CpuMeter({n: p.pid for n, p in fleet.procs.items()}, fleet.redis(), metrics_urls)
+    meter = CpuMeter({n: p.pid for n, p in fleet.procs.items()}, fleet.redis_nodes(), metrics_urls)
     rss_idle = {n: psutil_rss(p.pid) for n, p in fleet.procs.items() if n.startswith("api")}
     report = run_clients(
         urls, cfg.clients, args.duration, args.output_len, args.client_procs, meter, args.ramp_s
@@ -161,6 +168,7 @@ def main() -> None:
     parser.add_argument("--config", action="append", default=[], metavar="N,K,M,C",
                         help="null schedulers, detokenizers, api replicas, clients")  # fmt: skip
     parser.add_argument("--real", action="store_true", help="also the real model at 16, 64")
+    parser.add_argument("--cluster", action="store_true", help="each also on a 3-node cluster")
     parser.add_argument("--model", default="", help="tokenizer and config (and --real's model)")
     parser.add_argument("--step-ms", type=float, default=20.0, help="the null step time")
     parser.add_argument("--output-len", type=int, default=64)
@@ -172,6 +180,8 @@ def main() -> None:
     configs = [Config.parse(c) for c in args.config]
     if args.real:
         configs += [Config(1, 1, 1, c, real=True) for c in (16, 64)]
+    if args.cluster:
+        configs = [v for c in configs for v in (c, replace(c, cluster=True))]
     rows = []
     log_root = Path(tempfile.mkdtemp(prefix="fabric-"))
     _say(f"logs: {log_root}; {os.cpu_count()} CPUs; step {args.step_ms} ms")

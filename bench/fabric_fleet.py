@@ -16,6 +16,7 @@ import redis
 
 from bench.fabric_scrape import Scraped, scrape
 from shared.config import Settings, child_process_env
+from shared.embedded_cluster import LocalCluster
 from shared.embedded_redis import EmbeddedRedis, free_port
 from shared.keys import Keys
 
@@ -26,15 +27,25 @@ READY_TIMEOUT_S = 300
 class BenchFleet:
     base: Settings  # what every process starts from (redis_url is filled in by start_redis)
     log_dir: Path
-    server: EmbeddedRedis = field(default_factory=EmbeddedRedis)
+    server: EmbeddedRedis | LocalCluster = field(default_factory=EmbeddedRedis)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)  # name -> api port or metrics port
 
     def start_redis(self) -> None:
+        if self.base.redis_cluster:
+            self.server = LocalCluster()
         self.base.redis_url = self.server.start()
 
     def redis(self) -> redis.Redis:
+        if self.base.redis_cluster:
+            return redis.RedisCluster.from_url(self.base.redis_url, decode_responses=True)  # type: ignore[return-value]
         return redis.Redis.from_url(self.base.redis_url, decode_responses=True)
+
+    def redis_nodes(self) -> list[redis.Redis]:
+        """A client of each Redis server (one, or every node of the cluster)."""
+        if isinstance(self.server, LocalCluster):
+            return [redis.Redis(port=port) for port in self.server.ports]
+        return [redis.Redis.from_url(self.base.redis_url)]
 
     @property
     def keys(self) -> Keys:
@@ -107,9 +118,11 @@ class CpuMeter:
     outside the step); the largest resident memory each pid (and Redis' used_memory)
     reached when polled."""
 
-    def __init__(self, pids: dict[str, int], r: redis.Redis, metrics_urls: list[str]) -> None:
+    def __init__(
+        self, pids: dict[str, int], nodes: list[redis.Redis], metrics_urls: list[str]
+    ) -> None:
         self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
-        self.r = r
+        self.nodes = nodes  # every Redis server: their CPU and memory are summed
         self.metrics_urls = metrics_urls
         self.cpu: dict[str, float] = {}
         self.peak_rss: dict[str, int] = {}
@@ -118,8 +131,8 @@ class CpuMeter:
 
     def _cpu_now(self) -> dict[str, float]:
         now = {n: sum(p.cpu_times()[:2]) for n, p in self.procs.items()}
-        info = self.r.info("cpu")
-        now["redis"] = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        infos = [node.info("cpu") for node in self.nodes]
+        now["redis"] = sum(float(i["used_cpu_sys"]) + float(i["used_cpu_user"]) for i in infos)
         return now
 
     def start(self) -> None:
@@ -129,7 +142,7 @@ class CpuMeter:
     def poll(self) -> None:
         for name, proc in self.procs.items():
             self.peak_rss[name] = max(self.peak_rss.get(name, 0), proc.memory_info().rss)
-        used = int(self.r.info("memory")["used_memory"])
+        used = sum(int(node.info("memory")["used_memory"]) for node in self.nodes)
         self.peak_rss["redis"] = max(self.peak_rss.get("redis", 0), used)
 
     def stop(self) -> dict[str, float]:
