@@ -1,4 +1,5 @@
-"""`redserve up`: embedded Redis + one process per tier; one Ctrl-C stops everything. While
+"""`redserve up`: embedded Redis (with --redis-cluster, a local 3-node Redis Cluster) + one
+process per tier; one Ctrl-C stops everything. While
 the fleet starts it logs each scheduler's loading progress, then when it is ready to serve.
 
 The tiers get their settings through REDSERVE_* environment variables, exactly as a compose
@@ -18,6 +19,7 @@ from typing import Any
 
 from redserve.startup import wait_ready
 from shared.config import Settings, child_process_env
+from shared.embedded_cluster import LocalCluster
 from shared.embedded_redis import EmbeddedRedis
 from shared.model_files import resolve_model
 
@@ -89,11 +91,12 @@ def supervise(procs: dict[str, subprocess.Popen[bytes]]) -> int:
 
 
 def up(settings: Settings) -> None:
-    redis = None
+    redis: EmbeddedRedis | LocalCluster | None = None
     if not settings.redis_url:
-        redis = EmbeddedRedis()
+        redis = LocalCluster() if settings.redis_cluster else EmbeddedRedis()
         settings.redis_url = redis.start()
-        logger.info("embedded redis-server at %s", settings.redis_url)
+        what = "3-node Redis Cluster" if settings.redis_cluster else "redis-server"
+        logger.info("embedded %s at %s", what, settings.redis_url)
     # Convert the model once here so the tiers do not race for it.
     settings.model = resolve_model(settings.model, settings.cache_dir)
     procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import hiredis
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection
@@ -30,6 +31,13 @@ def connect(url: str, cluster: bool = False) -> aioredis.Redis:
     pool = aioredis.ConnectionPool.from_url(url, decode_responses=False, health_check_interval=30)
     pool.connection_class = with_hiredis_packing(pool.connection_class)
     return aioredis.Redis.from_pool(pool)
+
+
+def connect_sync(url: str, cluster: bool = False) -> redis.Redis:
+    """A synchronous client, for a thread beside the event loop (bytes in, bytes out)."""
+    if cluster:
+        return redis.RedisCluster.from_url(url, decode_responses=False)
+    return redis.Redis.from_url(url, decode_responses=False)
 
 
 def eval_script(client: Any, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:

@@ -50,13 +50,16 @@ def _wait_line(log: Path, text: str, timeout_s: float = 30) -> str:
     raise AssertionError(f"no line with {text!r} in:\n{log.read_text(errors='replace')[-3000:]}")
 
 
-def test_redserve_up_answers_curl_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+# Alone, and on an embedded 3-node Redis Cluster (its three redis-servers stop too).
+@pytest.mark.parametrize("flags", [[], ["--redis-cluster", "--stream-shards", "3"]],
+                         ids=["redis", "cluster"])  # fmt: skip
+def test_redserve_up_answers_curl_and_stops_on_ctrl_c(tmp_path: Path, flags: list[str]) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("REDSERVE_")}
     log = tmp_path / "up.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "redserve.cli", "up", "--port", str(port)],
+            [sys.executable, "-m", "redserve.cli", "up", "--port", str(port), *flags],
             env=env,
             start_new_session=True,
             stdout=out,
@@ -68,7 +71,8 @@ def test_redserve_up_answers_curl_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         assert "redserve.supervisor: scheduler " in _wait_line(log, " loading: ")
         assert f":{port}" in _wait_line(log, "redserve is ready")
         children = _descendants(proc.pid)
-        assert len(children) >= 4  # redis-server + api + scheduler + detokenizer
+        # 1 or 3 redis-servers + api + scheduler + detokenizer
+        assert len(children) >= (6 if flags else 4)
         payload = json.dumps(
             {
                 "text": "The capital of France is",

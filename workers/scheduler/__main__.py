@@ -149,7 +149,9 @@ def _loading_beat(settings: Settings) -> contextlib.AbstractContextManager[objec
     if not settings.redis_url:
         return contextlib.nullcontext()  # build_loop refuses to run anyway
     keys = settings.redis_keys()
-    return LoadingBeat(settings.redis_url, keys, settings.scheduler.worker_id)
+    return LoadingBeat(
+        settings.redis_url, keys, settings.scheduler.worker_id, cluster=settings.redis_cluster
+    )
 
 
 async def serve(loop: SchedulerLoop) -> None:

@@ -13,11 +13,11 @@ import logging
 import threading
 from types import TracebackType
 
-import redis
 from redis.exceptions import RedisError
 
 from shared import heartbeat
 from shared.keys import HEARTBEAT_EVERY_S, Keys
+from shared.redis_conn import connect_sync
 
 logger = logging.getLogger(__name__)
 
@@ -26,12 +26,19 @@ MAX_PROGRESS_CHARS = 200
 
 
 class LoadingBeat:
-    """`with LoadingBeat(url, keys, worker_id): load()` beats while `load()` runs."""
+    """`with LoadingBeat(url, keys, worker_id): load()` beats while `load()` runs (`cluster`:
+    the URL names a Redis Cluster node)."""
 
     def __init__(
-        self, redis_url: str, keys: Keys, worker_id: str, every_s: float = HEARTBEAT_EVERY_S
+        self,
+        redis_url: str,
+        keys: Keys,
+        worker_id: str,
+        every_s: float = HEARTBEAT_EVERY_S,
+        cluster: bool = False,
     ) -> None:
         self.redis_url, self.keys, self.worker_id = redis_url, keys, worker_id
+        self.cluster = cluster
         self.every_s = every_s
         self.progress = "starting"
         self._stop = threading.Event()
@@ -62,12 +69,16 @@ class LoadingBeat:
 
     def _send(self, forget: bool) -> None:
         try:
-            with redis.Redis.from_url(self.redis_url) as r, r.pipeline(transaction=False) as pipe:
+            r = connect_sync(self.redis_url, self.cluster)
+            try:
+                pipe = r.pipeline(transaction=False)
                 if forget:
                     heartbeat.forget(pipe, self.keys, self.worker_id, heartbeat.SCHEDULER)
                 else:
                     heartbeat.beat(pipe, self.keys, self.worker_id, self.beat())
                 pipe.execute()
+            finally:
+                r.close()
         except (RedisError, OSError) as e:  # Redis away: the next beat tries again
             logger.debug("loading beat failed: %r", e)
 
