@@ -74,6 +74,10 @@ class TokenizerManager:
             protocol.Reattach: self.handover.on_notice,
             protocol.UpdateWeights: self.weights.on_broadcast,
             protocol.AbortRequests: lambda msg: None,  # the engine's finish entry says it
+            # For the schedulers: the api sent them (its routes log them) and holds no state.
+            protocol.PauseGeneration: lambda msg: None,
+            protocol.ContinueGeneration: lambda msg: None,
+            protocol.FlushCache: lambda msg: None,
         }
         self._tasks: set[asyncio.Task[None]] = set()
         self.claims = RidClaims(redis, self.keys, self.api_id, self.spawn)

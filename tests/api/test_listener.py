@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
@@ -95,3 +96,14 @@ async def test_gap_is_tolerated(
 async def test_one_subscription_per_process(app: FastAPI, fake_redis: aioredis.Redis) -> None:
     channels = await fake_redis.pubsub_channels()
     assert len([c for c in channels if c.endswith(f":out:{API_ID}".encode())]) == 1
+
+
+
+async def test_the_schedulers_control_messages_pass_quietly(
+    app: FastAPI, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The api hears the whole control channel; pause, continue and flush are not for it."""
+    for message in (protocol.PauseGeneration(mode="retract"), protocol.ContinueGeneration(),
+                    protocol.FlushCache()):  # fmt: skip
+        app.state.manager.dispatch(message)
+    assert "no handler" not in caplog.text
