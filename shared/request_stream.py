@@ -8,8 +8,9 @@ shared.ownership's fenced step script). A job delivered too often is moved to th
 dead-letter stream (`dead_letter`), which `redserve dlq` manages.
 
 With several stream shards (Keys.stream_shards; a job goes to its rid's shard, whose hash
-tag its request's keys share), each read and reclaim walks the shards from a random one, so
-every shard is read first equally often; a read never spans two shards (on Redis Cluster
+tag its request's keys share), a read asks every shard at once in one pipeline, the count
+shared out from a random shard on (so every shard gets the larger share equally often), and
+a reclaim walks the shards from a random one; no script spans two shards (on Redis Cluster
 they live in different slots).
 
 An entry is named by its ref: the stream entry id, prefixed with `band/` outside the default
@@ -88,23 +89,44 @@ def submit(pipe: aioredis.client.Pipeline, keys: Keys, job: protocol.GenerateJob
 async def read(
     r: aioredis.Redis, keys: Keys, consumer: str, count: int, block_ms: int | None
 ) -> list[Job]:
-    """Read up to `count` new jobs for `consumer`, shard by shard, in each from the highest
-    band down; when nothing was found and `block_ms` is set, one shard's default band is
-    read blocking, for `block_ms` split over the shards (so an idle scheduler comes back to
-    the others that often). Undecodable entries come back as None so the caller can ack
-    them (a bad job must not be redelivered forever)."""
+    """Read up to `count` new jobs for `consumer`, in each shard from the highest band down;
+    when nothing was found and `block_ms` is set, one shard's default band is read blocking,
+    for `block_ms` split over the shards (so an idle scheduler comes back to the others that
+    often). Undecodable entries come back as None so the caller can ack them (a bad job must
+    not be redelivered forever)."""
     shards = _shards_from_random(keys)
-    out: list[Job] = []
-    for shard in shards:
-        if len(out) >= count:
-            break
-        if block_ms is None or keys.stream_shards > 1:  # every band in one round trip
-            out += await _read_bands(r, keys, shard, consumer, count - len(out))
-        else:  # the one shard: its bands in turn, the default one blocking
-            out += await _read_shard(r, keys, shard, consumer, count, block_ms)
-    if not out and block_ms is not None and keys.stream_shards > 1:
+    if block_ms is not None and keys.stream_shards == 1:  # its bands in turn, then blocking
+        return await _read_shard(r, keys, shards[0], consumer, count, block_ms)
+    out = await _read_shards(r, keys, shards, consumer, count)
+    if not out and block_ms is not None:
         block_ms = max(1, block_ms // keys.stream_shards)
         out += await _read_band(r, keys, "", shards[0], consumer, count, block_ms)
+    return out
+
+
+async def _read_shards(
+    r: aioredis.Redis, keys: Keys, shards: list[int], consumer: str, count: int
+) -> list[Job]:
+    """Every shard's bands at once (one pipeline; on a cluster, the nodes in parallel), the
+    count shared out over the shards; again over the shards that filled their share, until
+    `count` is reached or they are empty."""
+    out: list[Job] = []
+    while shards and len(out) < count:
+        left = count - len(out)
+        shares = {shard: left // len(shards) + (i < left % len(shards))
+                  for i, shard in enumerate(shards)}  # fmt: skip
+        asked = [shard for shard in shards if shares[shard]]
+        pipe = r.pipeline(transaction=False)
+        for shard in asked:
+            streams = keys.shard_streams(shard)
+            eval_script(pipe, _READ_BANDS, streams, [SCHEDULER_GROUP, consumer, shares[shard]])
+        replies = await _in_group(r, keys, pipe.execute())
+        if replies is None:
+            return out
+        got = {shard: _band_jobs(shard, reply) for shard, reply in zip(asked, replies, strict=True)}
+        out += [job for jobs in got.values() for job in jobs]
+        # A shard that filled its share may hold more; one not asked yet is asked next time.
+        shards = [shard for shard in shards if len(got.get(shard, ())) == shares[shard]]
     return out
 
 
@@ -139,15 +161,11 @@ return out
 """
 
 
-async def _read_bands(
-    r: aioredis.Redis, keys: Keys, shard: int, consumer: str, count: int
-) -> list[Job]:
-    streams = keys.shard_streams(shard)
-    read = eval_script(r, _READ_BANDS, streams, [SCHEDULER_GROUP, consumer, count])
-    replies = await _in_group(r, keys, read)
+def _band_jobs(shard: int, reply: Any) -> list[Job]:
+    """The jobs of one shard's _READ_BANDS reply."""
     return [
         (ref(PRIORITY_BANDS[int(i) - 1], entry_id, shard), _decode_job(entry_id, _pairs(fields)))
-        for i, entries in replies or []
+        for i, entries in reply or []
         for entry_id, fields in entries
     ]
 

@@ -98,3 +98,21 @@ async def test_a_dead_schedulers_jobs_on_several_shards_are_reclaimed(
     for rid in RIDS:
         assert await fake_redis.lrange(SHARDED.ids(rid), 0, -1) == [b"7", b"8"]
     assert await _pending(fake_redis) == 0
+
+
+async def test_a_read_takes_up_to_its_count_however_the_jobs_lie_over_the_shards(
+    fake_redis: aioredis.Redis,
+) -> None:
+    crowded = [rid for rid in (f"c{i}" for i in range(200)) if SHARDED.shard(rid) == 2][:9]
+    spread = [f"s{i}" for i in range(6)]
+    for rid in crowded + spread:
+        await submit(fake_redis, SHARDED, rid)
+    await request_stream.ensure_group(fake_redis, SHARDED)
+
+    one = await request_stream.read(fake_redis, SHARDED, "sched", 1, None)
+    most = await request_stream.read(fake_redis, SHARDED, "sched", 11, None)
+    rest = await request_stream.read(fake_redis, SHARDED, "sched", 11, None)
+
+    assert [len(one), len(most), len(rest)] == [1, 11, 3]  # never over, none left behind
+    taken = [job.rid for _ref, job in one + most + rest if job is not None]
+    assert sorted(taken) == sorted(crowded + spread)
