@@ -1,8 +1,9 @@
 """`create_app(settings)`: the api tier's FastAPI app (SGLang's http_server over Redis).
 
 Construction does no I/O. The lifespan connects Redis (unless one is injected), loads the
-tokenizer and model facts (unless a tokenizer is injected), starts the TokenizerManager and its
-one result listener, and closes them on exit."""
+tokenizer and model facts (unless a tokenizer is injected), checks the fleet's stream shard
+count (when Redis answers), starts the TokenizerManager and its one result listener, and
+closes them on exit."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from fastapi import FastAPI
 from api.errors import install_error_handlers
 from api.middleware import EdgeGuard
 from api.model import Tokenizer, load_model_info
+from api.redis_errors import REDIS_ERRORS
 from api.routes import router
 from api.tokenizer_manager import TokenizerManager
+from shared import request_stream
 from shared.config import Settings
 from shared.redis_conn import connect
 
@@ -39,6 +42,7 @@ def create_app(
             raise RuntimeError("the api tier needs a Redis URL (REDSERVE_REDIS_URL)")
         model = await asyncio.to_thread(load_model_info, settings, tokenizer)
         client = redis if redis is not None else connect(settings.redis_url, settings.redis_cluster)
+        await _check_layout(client, settings)
         manager = TokenizerManager(settings, client, model)
         await manager.start()
         app.state.manager = manager
@@ -68,3 +72,15 @@ def create_app(
         max_upload_bytes=settings.api.max_file_bytes,
     )
     return app
+
+
+async def _check_layout(client: aioredis.Redis, settings: Settings) -> None:
+    """Refuse to start with another stream shard count than the fleet's; with Redis away,
+    start anyway (the api serves 503s until it is back)."""
+    try:
+        await request_stream.check_layout(client, settings.redis_keys())
+    except request_stream.LayoutMismatch as e:
+        logger.error("%s", e)
+        raise
+    except REDIS_ERRORS as e:
+        logger.warning("stream shard count not checked: Redis unavailable (%s)", e)

@@ -124,6 +124,12 @@ class Keys:
         """List of the SSE events a streaming response sent (event id = index), for replay."""
         return self._tagged("events", rid)
 
+    @property
+    def stream_layout(self) -> str:
+        """String: the fleet's stream shard count, set by the first api or scheduler to start;
+        a process started with another count refuses to run (its jobs would be stranded)."""
+        return f"{self.prefix}:stream_shards"
+
     # -- fleet control ---------------------------------------------------------------------
     @property
     def pause(self) -> str:

@@ -66,6 +66,24 @@ def _shards_from_random(keys: Keys) -> list[int]:
     return [(first + i) % keys.stream_shards for i in range(keys.stream_shards)]
 
 
+class LayoutMismatch(RuntimeError):
+    """This process's --stream-shards differs from the fleet's."""
+
+
+async def check_layout(r: aioredis.Redis, keys: Keys) -> None:
+    """Record the fleet's stream shard count, or raise LayoutMismatch when it differs from
+    this process's: an api and a scheduler that disagree strand jobs on unread shards."""
+    await r.set(keys.stream_layout, keys.stream_shards, nx=True)
+    held = await r.get(keys.stream_layout)
+    if held is not None and int(held) != keys.stream_shards:
+        raise LayoutMismatch(
+            f"this fleet runs {int(held)} request stream shard(s) (Redis key"
+            f" {keys.stream_layout}) but this process has --stream-shards {keys.stream_shards};"
+            " give every process the same count (to change it: stop the whole fleet, then"
+            " delete that key)"
+        )
+
+
 async def ensure_group(r: aioredis.Redis, keys: Keys) -> None:
     """Create the consumer group (and the streams) if missing; Redis restarts drop them."""
     for stream in keys.request_streams:

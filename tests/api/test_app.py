@@ -1,4 +1,5 @@
-"""App wiring: lifespan with Redis down (503s, quickly), `main`, and the served name."""
+"""App wiring: lifespan with Redis down (503s, quickly), another stream shard count than the
+fleet's (no start), `main`, and the served name."""
 
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ from api.app import create_app
 from api.model import served_name
 from shared.config import ApiSettings, Settings
 from shared.embedded_redis import free_port
+from shared.request_stream import LayoutMismatch
+from tests.support.app import running_app
+
+
+async def test_an_api_with_another_stream_shard_count_than_the_fleet_s_does_not_start(
+    app: FastAPI, settings: Settings, fake_redis: aioredis.Redis, tokenizer: Any
+) -> None:
+    other = settings.model_copy(update={"stream_shards": 3})  # `app` started with 1
+    with pytest.raises(LayoutMismatch, match="runs 1 request stream shard"):
+        async with running_app(other, fake_redis, tokenizer):
+            pass
 
 
 async def test_redis_down_answers_503_quickly(settings: Settings, tokenizer: Any) -> None:

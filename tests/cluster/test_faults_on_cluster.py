@@ -192,6 +192,15 @@ def test_a_dead_replica_s_stream_that_nobody_re_attaches_is_aborted(stack: Fleet
     assert_invariants(stack)
 
 
+def test_a_scheduler_with_another_stream_shard_count_exits_2_saying_why(stack: Fleet) -> None:
+    stack.start("null-odd", "scheduler", wait=False, env={**NULL, "REDSERVE_STREAM_SHARDS": "3"})
+    code = stack.procs["null-odd"].wait(timeout=120)
+    log = (stack.log_dir / "null-odd.log").read_text()
+    assert code == 2, log
+    assert "this fleet runs 6 request stream shard(s)" in log and "Traceback" not in log
+    del stack.procs["null-odd"]
+
+
 def _nothing_running(stack: Fleet, timeout_s: float = 10) -> bool:
     """Whether every scheduler soon beats with nothing running."""
     r = stack.redis()

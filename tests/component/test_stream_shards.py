@@ -5,6 +5,7 @@ shard, one TokenBatch per step still (published after the step's per-shard scrip
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
@@ -116,3 +117,16 @@ async def test_a_read_takes_up_to_its_count_however_the_jobs_lie_over_the_shards
     assert [len(one), len(most), len(rest)] == [1, 11, 3]  # never over, none left behind
     taken = [job.rid for _ref, job in one + most + rest if job is not None]
     assert sorted(taken) == sorted(crowded + spread)
+
+
+async def test_a_process_with_another_shard_count_than_the_fleet_s_refuses_to_run(
+    fake_redis: aioredis.Redis,
+) -> None:
+    await request_stream.check_layout(fake_redis, SHARDED)  # the first one sets it
+    await request_stream.check_layout(fake_redis, SHARDED)  # the same count: fine
+    other = Keys(SHARDED.prefix, stream_shards=2)
+    with pytest.raises(request_stream.LayoutMismatch, match="runs 4 request stream shard"):
+        await request_stream.check_layout(fake_redis, other)
+    loop = make_loop(fake_redis, other, ScriptedRunner({}))
+    with pytest.raises(request_stream.LayoutMismatch):
+        await loop.run(burst=True)

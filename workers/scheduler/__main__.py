@@ -26,6 +26,7 @@ from shared.config import Settings, get_settings
 from shared.logging_setup import configure_logging
 from shared.model_files import resolve_model
 from shared.redis_conn import connect
+from shared.request_stream import LayoutMismatch
 from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from workers.scheduler.engine.model_runner import TorchModelRunner
 from workers.scheduler.engine.null_runner import NullModelRunner
@@ -46,6 +47,9 @@ def main(settings: Settings) -> None:
         asyncio.run(serve(loop))
     except KeyboardInterrupt:  # a Ctrl-C while the model was still loading
         logger.info("interrupted")
+    except LayoutMismatch as e:  # a configuration error: no traceback
+        logger.error("%s", e)
+        sys.exit(2)
     except Exception:
         logger.exception("scheduler failed")
         sys.exit(1)

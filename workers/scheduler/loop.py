@@ -215,6 +215,7 @@ class SchedulerLoop:
 
 
     async def _start(self) -> None:
+        await request_stream.check_layout(self.redis, self.keys)
         await request_stream.ensure_group(self.redis, self.keys)
         sub = pubsub.subscriber(self.redis)
         await sub.subscribe(self.keys.control_channel)
