@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from api.errors import install_error_handlers
 from api.middleware import EdgeGuard
 from api.model import Tokenizer, load_model_info
-from api.redis_errors import REDIS_ERRORS
+from api.redis_errors import REDIS_ERRORS, REDIS_TIMEOUT_S
 from api.routes import router
 from api.tokenizer_manager import TokenizerManager
 from shared import request_stream
@@ -75,10 +75,11 @@ def create_app(
 
 
 async def _check_layout(client: aioredis.Redis, settings: Settings) -> None:
-    """Refuse to start with another stream shard count than the fleet's; with Redis away,
-    start anyway (the api serves 503s until it is back)."""
+    """Refuse to start with another stream shard count than the fleet's; with Redis away or
+    hung, start anyway (the api serves 503s until it is back)."""
     try:
-        await request_stream.check_layout(client, settings.redis_keys())
+        async with asyncio.timeout(REDIS_TIMEOUT_S):  # a hung Redis must not stop the start
+            await request_stream.check_layout(client, settings.redis_keys())
     except request_stream.LayoutMismatch as e:
         logger.error("%s", e)
         raise
