@@ -8,11 +8,12 @@ from __future__ import annotations
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from api.errors import ServiceUnavailable
+from shared.redis_conn import REDIS_FAILURES
 
 # A Redis round trip slower than this counts as "Redis unavailable": a request makes two of
 # them (claim, submit) before it is answered.
 REDIS_TIMEOUT_S = 0.9
-REDIS_ERRORS = (RedisError, OSError, TimeoutError)
+REDIS_ERRORS: tuple[type[Exception], ...] = (*REDIS_FAILURES, TimeoutError)
 OOM_MESSAGE = (
     "Redis is out of memory (maxmemory reached: OOM command not allowed); try again later."
 )

@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from shared import protocol, pubsub
+from shared.redis_conn import REDIS_FAILURES
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class ResultListener:
                     msg = await sub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
                     if msg is not None and msg.get("type") == "message":
                         self._route(msg["channel"], msg["data"])
-            except (RedisError, OSError) as e:
+            except REDIS_FAILURES as e:
                 logger.warning("subscription to %s failed: %s; retry in %.1fs", self.channel, e,
                                backoff)  # fmt: skip
             finally:

@@ -12,12 +12,10 @@ import asyncio
 import socket
 import urllib.request
 
-from redis.exceptions import RedisError
-
 from shared import heartbeat
 from shared.config import Settings
 from shared.heartbeat import JOBS, SCHEDULER, SchedulerBeat
-from shared.redis_conn import connect
+from shared.redis_conn import REDIS_FAILURES, connect
 
 
 def check(settings: Settings, tier: str) -> int:
@@ -28,7 +26,7 @@ def check(settings: Settings, tier: str) -> int:
             alive = asyncio.run(_jobs_alive(settings))
         else:
             alive = asyncio.run(_scheduler_alive(settings))
-    except (OSError, RedisError):
+    except REDIS_FAILURES:
         alive = False
     return 0 if alive else 1
 

@@ -10,12 +10,10 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from redis.exceptions import RedisError
-
 from shared import heartbeat
 from shared.config import Settings
 from shared.heartbeat import SchedulerBeat
-from shared.redis_conn import connect
+from shared.redis_conn import REDIS_FAILURES, connect
 
 POLL_S = 0.5
 
@@ -47,7 +45,7 @@ async def wait_ready(
     report = StartupReport(time.monotonic())
     try:
         while running():
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 beats = await heartbeat.live_scheduler_beats(r, keys)
                 for line in report.lines(beats, time.monotonic()):
                     say(line)

@@ -9,12 +9,10 @@ import json
 import sys
 import time
 
-from redis.exceptions import RedisError
-
 from api import fleet
 from shared.config import Settings
 from shared.heartbeat import BeatT, DetokenizerBeat, SchedulerBeat
-from shared.redis_conn import connect
+from shared.redis_conn import REDIS_FAILURES, connect
 
 READ_TIMEOUT_S = 5.0
 
@@ -25,7 +23,7 @@ def run(settings: Settings, as_json: bool = False) -> int:
         return 2
     try:
         view = asyncio.run(_read(settings))
-    except (RedisError, OSError, TimeoutError) as e:
+    except REDIS_FAILURES as e:  # TimeoutError is an OSError
         sys.stderr.write(f"Redis at {settings.redis_url} did not answer: {e!r}\n")
         return 1
     if as_json:

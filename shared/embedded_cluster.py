@@ -56,6 +56,7 @@ class ClusterNode:
     dir: Path
     slots: tuple[int, int]
     binary: str  # redis-server, or valkey-server
+    appendonly: bool = False  # an AOF (fsync every second): a restarted node keeps its data
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def client(self) -> redis.Redis:
@@ -72,7 +73,8 @@ class ClusterNode:
             "--cluster-config-file", f"nodes-{self.port}.conf",
             "--cluster-node-timeout", "2000",
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
             "--dir", str(self.dir),
         ]  # fmt: skip
         with open(self.dir / "redis.log", "ab") as log:
@@ -129,8 +131,9 @@ class LocalCluster:
     `kill(i)` and `restart(i)` take node i down (kill -9) and bring it back on the same port
     and folder, for tests of what the clients do while a shard is missing."""
 
-    def __init__(self, binary: str | None = None) -> None:
+    def __init__(self, binary: str | None = None, appendonly: bool = False) -> None:
         self.binary = binary or redis_server_binary()  # any Redis 6.2+ or Valkey server
+        self.appendonly = appendonly
         self.nodes: list[ClusterNode] = []
         self._dirs: list[tempfile.TemporaryDirectory[str]] = []
 
@@ -157,7 +160,7 @@ class LocalCluster:
                 taken |= {port, port + BUS_PORT_OFFSET}
                 tmp = tempfile.TemporaryDirectory(prefix=f"redserve-cluster-{port}-")
                 self._dirs.append(tmp)
-                node = ClusterNode(port, Path(tmp.name), slots, self.binary)
+                node = ClusterNode(port, Path(tmp.name), slots, self.binary, self.appendonly)
                 self.nodes.append(node)
                 node.launch()
             for node in self.nodes:

@@ -22,9 +22,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
-from shared.redis_conn import is_cluster
+from shared.redis_conn import REDIS_FAILURES, is_cluster
 
 # Whether a cluster client publishes and subscribes sharded (set by `prepare`).
 _SHARDED_ATTR = "_redserve_sharded_pubsub"
@@ -134,10 +133,10 @@ class Subscriber:
         for task in self._readers.values():
             task.cancel()
         for task in self._readers.values():
-            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
+            with contextlib.suppress(asyncio.CancelledError, *REDIS_FAILURES):
                 await task
         for client, pubsub in self._nodes.values():
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 await pubsub.aclose()
                 await client.aclose()
         self._nodes.clear()
@@ -164,5 +163,5 @@ class Subscriber:
                 message = await pubsub.get_message(timeout=1.0)
                 if message is not None:
                     self._queue.put_nowait(message)
-        except (RedisError, OSError) as e:
+        except REDIS_FAILURES as e:
             self._queue.put_nowait(e)

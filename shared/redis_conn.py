@@ -19,6 +19,19 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, TryAgainError
+
+# Every way a call to Redis fails. redis-py's cluster client raises RedisClusterException,
+# which is no RedisError, when it cannot map a slot to a node (a node down, the topology
+# changing).
+REDIS_FAILURES: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+# A cluster answers CLUSTERDOWN while a master without a replica is down (every node refuses
+# every command) and TRYAGAIN while a slot migrates: both pass, like a restarting Redis.
+CLUSTER_TRANSIENT: tuple[type[Exception], ...] = (
+    ClusterDownError,
+    TryAgainError,
+    RedisClusterException,
+)
 
 
 def connect(url: str, cluster: bool = False) -> aioredis.Redis:

@@ -44,7 +44,7 @@ NULL = {"REDSERVE_SCHEDULER__ENGINE": "null", "REDSERVE_SCHEDULER__NULL_STEP_MS"
 
 @pytest.fixture(scope="module")
 def stack(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    cluster = LocalCluster()
+    cluster = LocalCluster(appendonly=True)  # a restarted node keeps its data, as in compose
     settings = Settings(
         redis_url=cluster.start(),
         redis_cluster=True,
@@ -190,6 +190,41 @@ def test_a_dead_replica_s_stream_that_nobody_re_attaches_is_aborted(stack: Fleet
     assert _nothing_running(stack), "a scheduler still runs the aborted request"
     assert stack.stop("api-reaper") == 0
     assert_invariants(stack)
+
+
+def test_a_node_restart_mid_stream_is_ridden_out(stack: Fleet, tap: Tap) -> None:
+    body = completion(PROMPT + " across the sea", NUM_TOKENS)
+    reference = no_fault_text(stack.url(), body)
+    rid = f"node-{uuid.uuid4().hex[:8]}"
+    stream, events = stream_until(stack.url(), {**body, "rid": rid}, 5)
+    cluster = stack.server
+    assert isinstance(cluster, LocalCluster)
+    port = stack.redis().get_node_from_key(stack.keys.state(rid)).port  # type: ignore[attr-defined]
+    node = cluster.ports.index(int(port))
+    cluster.kill(node)  # kill -9 of the master holding the request's keys
+    time.sleep(3)  # past the node timeout (2 s): the cluster is down, every node says so
+    cluster.restart(node)
+    events += list(stream)
+
+    assert all(stack.alive().values()), stack.logs()
+    assert finishes(events) == ["length"], events[-1]
+    assert text_of(events) == reference
+    assert _serves_again(stack, 30) < 30
+    assert_invariants(stack, tap)
+
+
+def _serves_again(stack: Fleet, within_s: float) -> float:
+    """Seconds until a fresh request succeeds again (fails the test after `within_s`)."""
+    start = time.monotonic()
+    while time.monotonic() - start < within_s:
+        try:
+            resp = httpx.post(stack.url() + "/v1/completions", json=completion("Hi", 4), timeout=10)
+            if resp.status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"not serving {within_s}s after the node came back\n{stack.logs()}")
 
 
 def test_a_scheduler_with_another_stream_shard_count_exits_2_saying_why(stack: Fleet) -> None:

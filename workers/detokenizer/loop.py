@@ -19,11 +19,11 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from shared import heartbeat, protocol, pubsub, request_state
 from shared.config import Settings
 from shared.keys import HEARTBEAT_EVERY_S, Keys, shard_of
+from shared.redis_conn import REDIS_FAILURES
 from workers.detokenizer.core import DetokenizerCore, Fetched, Needs, Tokenizer
 from workers.detokenizer.leases import ShardLeases
 
@@ -114,7 +114,7 @@ class DetokenizerLoop:
         if sub is not None:
             try:
                 await sub.aclose()
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 logger.debug("closing pub/sub: %r", exc)
 
     async def shutdown(self) -> None:
@@ -126,7 +126,7 @@ class DetokenizerLoop:
             async with self.redis.pipeline(transaction=False) as pipe:
                 heartbeat.forget(pipe, self.keys, self.worker_id, heartbeat.DETOKENIZER)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             logger.warning("could not release the leases: %r", exc)
         await self.close()
 
@@ -162,7 +162,7 @@ class DetokenizerLoop:
         while not self._stopping.is_set():
             try:
                 got = await self.run_once(idle_timeout)
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 logger.warning("redis error: %r; reconnecting in %.1fs", exc, backoff)
                 await self.close()
                 await self._sleep(backoff)

@@ -13,11 +13,9 @@ import logging
 import threading
 from types import TracebackType
 
-from redis.exceptions import RedisError
-
 from shared import heartbeat
 from shared.keys import HEARTBEAT_EVERY_S, Keys
-from shared.redis_conn import connect_sync
+from shared.redis_conn import REDIS_FAILURES, connect_sync
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +77,7 @@ class LoadingBeat:
                 pipe.execute()
             finally:
                 r.close()
-        except (RedisError, OSError) as e:  # Redis away: the next beat tries again
+        except REDIS_FAILURES as e:  # Redis away: the next beat tries again
             logger.debug("loading beat failed: %r", e)
 
     def beat(self) -> heartbeat.SchedulerBeat:

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import (
@@ -34,7 +34,7 @@ from shared import (
 )
 from shared.config import Settings
 from shared.keys import HEARTBEAT_EVERY_S, Keys
-from shared.redis_conn import atomic
+from shared.redis_conn import CLUSTER_TRANSIENT, atomic
 from workers.scheduler.core.scheduler import Scheduler
 from workers.scheduler.core.sequence import Sequence, SequenceStatus
 from workers.scheduler.grammar.compiler import GrammarCompiler
@@ -64,9 +64,9 @@ class ModelRunner(Protocol):
         ...
 
 
-def is_transient(error: RedisError) -> bool:
-    """Whether `error` is Redis being away or unable to serve for a while."""
-    if isinstance(error, (RedisConnectionError, RedisTimeoutError)):
+def is_transient(error: Exception) -> bool:
+    """Whether `error` is Redis (or a cluster's node) being away or unable to serve for a while."""
+    if isinstance(error, (RedisConnectionError, RedisTimeoutError, *CLUSTER_TRANSIENT)):
         return True
     return isinstance(error, ResponseError) and any(r in str(error) for r in _TRANSIENT_REPLIES)
 
@@ -116,7 +116,7 @@ class SchedulerLoop:
             while not self._drained_for_stop():
                 try:
                     did_work = await self.run_once()
-                except RedisError as e:
+                except (RedisError, RedisClusterException) as e:
                     if not is_transient(e):
                         raise
                     now = time.monotonic()
