@@ -162,7 +162,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--quantization",
         "scheduler.quantization",
-        "CPU: int4 or w8a8_int8 projections for the step sizes where they are faster",
+        "CPU: int4 or w8a8_int8 projections for the step sizes where they are faster; "
+        "auto: int4 for a GGUF stored in 4 bits, else none",
         choices=QUANTIZATIONS,
     ),
     Flag(

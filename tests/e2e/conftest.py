@@ -28,7 +28,7 @@ def stack(
         # re-attach (GET /v1/requests/{rid}/stream).
         api=ApiSettings(port=free_port(), api_id="e2e-api", orphan_grace_s=ORPHAN_GRACE_S),
         scheduler=SchedulerSettings(
-            worker_id="e2e-scheduler", kv_cache_tokens=8192, dtype="float32"
+            worker_id="e2e-scheduler", kv_cache_tokens=8192, dtype="float32", quantization="none"
         ),
     )
     with running_stack(settings, tmp_path_factory.mktemp("stack-logs")) as stack:

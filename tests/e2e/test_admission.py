@@ -43,7 +43,8 @@ def fleet(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         key_prefix=f"adm{uuid.uuid4().hex[:6]}",
         model=model_path,
         scheduler=SchedulerSettings(
-            dtype="float32", kv_cache_tokens=2048, num_threads=1, max_num_seqs=2
+            dtype="float32", quantization="none", kv_cache_tokens=2048, num_threads=1,
+            max_num_seqs=2,
         ),  # fmt: skip
     )
     fleet = Fleet(server, settings, tmp_path_factory.mktemp("admission-logs"))

@@ -21,7 +21,9 @@ def fleet(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         redis_url=url,
         key_prefix=f"f{uuid.uuid4().hex[:6]}",
         model=model_path,
-        scheduler=SchedulerSettings(dtype="float32", kv_cache_tokens=4096, num_threads=1),
+        scheduler=SchedulerSettings(
+            dtype="float32", quantization="none", kv_cache_tokens=4096, num_threads=1
+        ),
     )
     fleet = Fleet(server, settings, tmp_path_factory.mktemp("fleet-logs"))
     try:

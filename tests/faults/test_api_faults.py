@@ -76,7 +76,7 @@ def replicas(redis_url: str, model_path: str, tmp_path_factory: pytest.TempPathF
         model=model_path,
         api=ApiSettings(port=free_port(), api_id="fault-a"),
         scheduler=SchedulerSettings(
-            worker_id="fault-scheduler", kv_cache_tokens=8192, dtype="float32"
+            worker_id="fault-scheduler", kv_cache_tokens=8192, dtype="float32", quantization="none"
         ),  # fmt: skip
     )
     log_dir = tmp_path_factory.mktemp("fault-logs")

@@ -40,7 +40,7 @@ def test_quantization_flag_maps_onto_settings_and_rejects_unknown_methods(
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args(["up", "--quantization", "int3"])
     assert exit_info.value.code == 2
-    assert "choose from 'none', 'int4'" in capsys.readouterr().err
+    assert "choose from 'auto', 'none', 'int4'" in capsys.readouterr().err
 
 
 def test_torch_compile_flags_map_onto_settings() -> None:

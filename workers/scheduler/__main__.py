@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from shared.config import Settings, get_settings
 from shared.logging_setup import configure_logging
-from shared.model_files import resolve_model
+from shared.model_files import default_cache_dir, resolve_model
 from shared.redis_conn import connect
 from shared.request_stream import LayoutMismatch
 from workers.scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -111,6 +111,7 @@ def torch_runner(settings: Settings, model_path: str) -> TorchModelRunner:
         kv_cache_dtype=sched.kv_cache_dtype,
         torch_compile_max_bs=sched.torch_compile_max_bs if sched.enable_torch_compile else 0,
         cuda_graph_max_bs=sched.cuda_graph_batches(),
+        tuning_dir=Path(settings.cache_dir) if settings.cache_dir else default_cache_dir(),
     )
     runner.cache_dir = settings.cache_dir  # where a reloaded .gguf is converted to
     return runner

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from workers.scheduler.engine.batch import AttentionBatch, AttentionGroup, Layer
 from workers.scheduler.engine.compiled import CompiledDecode
 from workers.scheduler.engine.cuda_graphs import GraphedDecode, cuda_capture
 from workers.scheduler.engine.dtypes import DTYPES, resolve_dtype, resolve_kv_dtype
+from workers.scheduler.engine.kernel_choices import recall_or_time_kernels
 from workers.scheduler.engine.memory import (
     available_memory,
     keep_freed_memory,
@@ -36,15 +38,12 @@ from workers.scheduler.engine.outputs import (
 )
 from workers.scheduler.engine.reload import reload_runner
 from workers.scheduler.engine.sampler import process_logits, sample
+from workers.scheduler.engine.tuning_cache import use_inductor_cache
 from workers.scheduler.grammar.masks import GrammarMasks, Masks, apply_masks
-from workers.scheduler.layers.attention_tuning import (
-    PREFILL_TOKENS,
-    AttentionChoice,
-    choose_attention,
-)
+from workers.scheduler.layers.attention_tuning import PREFILL_TOKENS, AttentionChoice
+from workers.scheduler.layers.auto_quantization import plan_quantization
 from workers.scheduler.layers.prepacked import prepack_linears
 from workers.scheduler.layers.quantization import calibration_ids, quantize_model
-from workers.scheduler.layers.tiered import TUNED_TOKENS, tune_routes
 from workers.scheduler.model.checkpoint import load_model
 from workers.scheduler.model.llama import Attention, LlamaForCausalLM
 
@@ -122,11 +121,13 @@ class TorchModelRunner:
         torch_compile_max_bs: int = 0,
         kv_cache_dtype: str = "auto",
         cuda_graph_max_bs: int = 0,
+        tuning_dir: Path | None = None,
     ) -> TorchModelRunner:
         """Prepares the model (`prepare_model`), sizes the KV cache: at most `num_kv_blocks`
         blocks and at most `kv_memory_fraction` of the memory left once the weights are in
         (0 = no bound from that one), then picks the kernels and compiles or records the
-        decode steps (`choose_kernels`). `kv_cache_dtype`: see `resolve_kv_dtype`."""
+        decode steps (`choose_kernels`; `tuning_dir`: where the choices and compiled graphs
+        are kept between starts, None = nowhere). `kv_cache_dtype`: see `resolve_kv_dtype`."""
         if num_threads:
             torch.set_num_threads(num_threads)
         if torch.device(device).type == "cpu" and not keep_freed_memory():
@@ -144,7 +145,7 @@ class TorchModelRunner:
         )
         runner = cls(model, num_kv_blocks, block_size, kv_dtype)
         runner.model_path = model_path
-        runner.choose_kernels(quantization, torch_compile_max_bs, cuda_graph_max_bs)
+        runner.choose_kernels(quantization, torch_compile_max_bs, cuda_graph_max_bs, tuning_dir)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s on %s; model in %s)",
             num_kv_blocks,
@@ -157,26 +158,22 @@ class TorchModelRunner:
         return runner
 
     def choose_kernels(
-        self, quantization: str, torch_compile_max_bs: int, cuda_graph_max_bs: int
+        self,
+        quantization: str,
+        torch_compile_max_bs: int,
+        cuda_graph_max_bs: int,
+        tuning_dir: Path | None = None,
     ) -> None:
-        """Times the projections' kernels per step size and (where the runner is inexact
-        anyway) the attention kernels on this machine, then compiles decode steps of up to
-        `torch_compile_max_bs` sequences (compiled.py) and, on CUDA, records CUDA graphs of
-        up to `cuda_graph_max_bs` (cuda_graphs.py); 0 = none."""
-        model, self.quantization = self.model, quantization
-        logger.info("choosing kernels: timing them here, compiling or recording decode steps")
-        if routes := tune_routes(model):
-            logger.info("kernel by step size (tokens %s), as timed here: %s", TUNED_TOKENS, routes)
-        # fp32 without quantization (and its own cache) is the exact reference: SDPA,
-        # untimed. Quantized fp32 runners, or fp32 over a bf16 cache, are not exact anyway,
-        # so their decodes may take the faster kernels too.
-        kv_dtype, dtype = self.kv_cache[0][0].dtype, model.embed_tokens.weight.dtype
-        inexact = kv_dtype != torch.float32 or quantization != "none"
-        if self.device.type == "cpu" and inexact:
-            attention = next(m for m in model.modules() if isinstance(m, Attention))
-            self.use_attention(choose_attention(attention, dtype, kv_dtype))
+        """Times the kernels here, or takes what an earlier start timed (kernel_choices.py),
+        then compiles decode steps of up to `torch_compile_max_bs` sequences (compiled.py)
+        and, on CUDA, records CUDA graphs of up to `cuda_graph_max_bs`; 0 = none."""
+        self.quantization = quantization
+        recall_or_time_kernels(self, tuning_dir)
         if torch_compile_max_bs:
-            self.compiled = CompiledDecode(model, torch_compile_max_bs)
+            if tuning_dir:
+                use_inductor_cache(tuning_dir)
+            logger.info("compiling decode steps of up to %d sequences", torch_compile_max_bs)
+            self.compiled = CompiledDecode(self.model, torch_compile_max_bs)
             self.compiled.warm_up(self.forward, self.num_kv_blocks, self.block_size)
         if cuda_graph_max_bs and self.device.type == "cuda":
             self.graphs = self.graphed_decode(cuda_graph_max_bs)
@@ -359,14 +356,16 @@ def prepare_model(
     model_path: str, dtype: torch.dtype, device: str, quantization: str, block_size: int
 ) -> LlamaForCausalLM:
     """The checkpoint's weights in `dtype` on `device`, plus compact copies of the
-    projections with `quantization` (layers/quantization.py; `w8a8_int8` calibrated by one
-    prefill here) and bf16 projections prepacked for oneDNN."""
+    projections with `quantization` ("auto": what the checkpoint was stored in,
+    layers/auto_quantization.py; `w8a8_int8` calibrated by one prefill here) and bf16
+    projections prepacked for oneDNN."""
     model = load_model(model_path, dtype, device)
+    plan = plan_quantization(quantization, device, model_path)
     input_max = None
-    if quantization == "w8a8_int8":
+    if plan.method == "w8a8_int8":
         input_max = projection_input_max(model, calibration_ids(model_path), block_size)
-    if quantize_model(model, quantization, input_max):
-        logger.info("compact %s copies of the projections for small steps", quantization)
+    if wrapped := quantize_model(model, plan.method, input_max, plan.keep_dense):
+        logger.info("compact %s copies of %d projections for small steps", plan.method, wrapped)
     if prepack_linears(model):
         logger.info("bf16 projections prepacked in oneDNN's layout")
     return model

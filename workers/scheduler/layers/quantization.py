@@ -76,15 +76,19 @@ class Int8Weights(nn.Module):
 
 
 def quantize_model(
-    model: LlamaForCausalLM, method: str, input_max: dict[nn.Module, torch.Tensor] | None = None
+    model: LlamaForCausalLM,
+    method: str,
+    input_max: dict[nn.Module, torch.Tensor] | None = None,
+    keep_dense: frozenset[tuple[int, str]] = frozenset(),
 ) -> int:
     """Wraps the decoder's projections (kernel "int4") and the LM head ("int8") in
     `TieredLinear`; for "w8a8_int8" the projections whose inputs come from a norm or
     attention (qkv, o, gate_up, the head) get a "w8a8" kernel too, which needs `input_max`
     (`projection_input_max` of a calibration run, by projection). Returns the number of
-    projections wrapped. Shapes the packed kernels cannot take stay dense (see `fits`).
+    projections wrapped. Shapes the packed kernels cannot take stay dense (see `fits`), and
+    so do those in `keep_dense`: (layer index, name), or (-1, "lm_head").
     Routes stay untuned: `tune_routes` (tiered.py) measures them."""
-    if method not in QUANTIZATIONS:
+    if method not in QUANTIZATIONS or method == "auto":
         raise ValueError(f"unknown quantization {method!r} ({', '.join(QUANTIZATIONS)})")
     if method == "none":
         return 0
@@ -93,7 +97,7 @@ def quantize_model(
     if method == "w8a8_int8" and input_max is None:
         raise ValueError("w8a8_int8 needs the projections' calibrated input ranges")
     wrapped = 0
-    for layer in model.layers:
+    for index, layer in enumerate(model.layers):
         for parent, name in (
             (layer.self_attn, "qkv_proj"),
             (layer.self_attn, "o_proj"),
@@ -101,14 +105,14 @@ def quantize_model(
             (layer.mlp, "down_proj"),
         ):
             dense = getattr(parent, name)
-            if not fits(dense, bits=4):
+            if not fits(dense, bits=4) or (index, name) in keep_dense:
                 continue
             kernels = _decoder_kernels(name, dense, None if input_max is None else input_max[dense])
             setattr(parent, name, TieredLinear(dense, kernels))
             wrapped += 1
     head = model.lm_head
     assert isinstance(head, nn.Linear)
-    if fits(head, bits=8):
+    if fits(head, bits=8) and (-1, "lm_head") not in keep_dense:
         head_kernels: dict[str, nn.Module] = {"int8": Int8Weights(head.weight)}
         if input_max is not None:
             head_kernels["w8a8"] = w8a8_projection(head.weight, input_max[head])

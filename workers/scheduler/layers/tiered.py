@@ -72,12 +72,8 @@ def tune_routes(model: nn.Module, rounds: int = 5) -> dict[str, list[str]]:
     its imports can keep a core busy through back-to-back samples, which would pin a wrong
     route (a slow kernel serving every step of that size) for the whole run. Returns the
     routes by kernel set."""
-    groups: dict[tuple[str, ...], list[TieredLinear]] = defaultdict(list)
-    for module in model.modules():
-        if isinstance(module, TieredLinear):
-            groups[tuple(module.kernels)].append(module)
     routes = {}
-    for names, layers in groups.items():
+    for names, layers in _groups(model).items():
         kernels = [*names, DENSE]
         best = {tokens: dict.fromkeys(kernels, float("inf")) for tokens in TUNED_TOKENS}
         for _ in range(rounds):
@@ -87,8 +83,37 @@ def tune_routes(model: nn.Module, rounds: int = 5) -> dict[str, list[str]]:
         route = [min(fastest, key=fastest.__getitem__) for fastest in best.values()]
         for layer in layers:
             layer.route = list(route)
-        routes[f"{'/'.join(names)} x{len(layers)}"] = route
+        routes[_group_name(names, layers)] = route
     return routes
+
+
+def apply_routes(model: nn.Module, routes: dict[str, list[str]]) -> bool:
+    """Sets the routes `tune_routes` returned for this model (read back from the tuning
+    cache). False, changing nothing, where they do not fit its projections' kernels."""
+    groups = {_group_name(*group): group for group in _groups(model).items()}
+    if set(groups) != set(routes):
+        return False
+    for name, (kernels, _) in groups.items():
+        route = routes[name]
+        if len(route) != len(TUNED_TOKENS) or not set(route) <= {*kernels, DENSE}:
+            return False
+    for name, (_, layers) in groups.items():
+        for layer in layers:
+            layer.route = list(routes[name])
+    return True
+
+
+def _groups(model: nn.Module) -> dict[tuple[str, ...], list[TieredLinear]]:
+    """The model's `TieredLinear`s by their kernels' names."""
+    groups: dict[tuple[str, ...], list[TieredLinear]] = defaultdict(list)
+    for module in model.modules():
+        if isinstance(module, TieredLinear):
+            groups[tuple(module.kernels)].append(module)
+    return groups
+
+
+def _group_name(kernels: tuple[str, ...], layers: list[TieredLinear]) -> str:
+    return f"{'/'.join(kernels)} x{len(layers)}"
 
 
 def _time_kernels(layers: list[TieredLinear], kernels: list[str], tokens: int) -> dict[str, float]:

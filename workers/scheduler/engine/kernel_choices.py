@@ -1,0 +1,97 @@
+"""The kernels a runner takes on this machine: timed at load (layers/tiered.py for the
+projections, layers/attention_tuning.py for attention), or recalled from what an earlier
+start timed with the same key (tuning_cache.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from workers.scheduler.engine.batch import LayerCache
+from workers.scheduler.engine.tuning_cache import TuningCache, tuning_key
+from workers.scheduler.layers.attention_tuning import AttentionChoice, choose_attention
+from workers.scheduler.layers.tiered import TUNED_TOKENS, apply_routes, tune_routes
+from workers.scheduler.model.llama import Attention, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class TorchModelRunner(Protocol):
+    """What the choices read and set of the runner (engine/model_runner.py)."""
+
+    model: LlamaForCausalLM
+    kv_cache: list[LayerCache]
+    device: torch.device
+    model_path: str
+    quantization: str
+    block_size: int
+
+    def use_attention(self, choice: AttentionChoice) -> None: ...
+
+
+def recall_or_time_kernels(runner: TorchModelRunner, tuning_dir: Path | None) -> None:
+    """Takes the choices stored under the runner's key in `tuning_dir`, or times them and
+    stores them there (None: times them, stores nothing)."""
+    cache = TuningCache(tuning_dir / "tuning") if tuning_dir else None
+    key = choices_key(runner) if cache else {}
+    stored = cache.load(key) if cache else None
+    if cache and stored is not None and use_choices(runner, stored):
+        logger.info("kernel choices as timed at an earlier start: %s", cache.path(key))
+        return
+    logger.info("choosing kernels: timing them on this machine")
+    choices = time_kernels(runner)
+    if cache:
+        cache.save(key, choices)
+
+
+def time_kernels(runner: TorchModelRunner) -> dict[str, Any]:
+    """Routes each projection's step sizes and picks the attention kernels, timing them
+    here; returns the choices (as `use_choices` takes them)."""
+    model = runner.model
+    routes = tune_routes(model)
+    if routes:
+        logger.info("kernel by step size (tokens %s), as timed here: %s", TUNED_TOKENS, routes)
+    # fp32 without quantization (and its own cache) is the exact reference: SDPA, untimed.
+    # Quantized fp32 runners, or fp32 over a bf16 cache, are not exact anyway, so their
+    # decodes may take the faster kernels too.
+    kv_dtype, dtype = runner.kv_cache[0][0].dtype, model.embed_tokens.weight.dtype
+    choice = None
+    if runner.device.type == "cpu" and (kv_dtype != torch.float32 or routes):
+        attention = next(m for m in model.modules() if isinstance(m, Attention))
+        choice = choose_attention(attention, dtype, kv_dtype)
+        runner.use_attention(choice)
+    return {"routes": routes, "attention": None if choice is None else asdict(choice)}
+
+
+def use_choices(runner: TorchModelRunner, choices: dict[str, Any]) -> bool:
+    """Takes the routes and attention kernels `time_kernels` returned at an earlier start;
+    False where they do not fit this model (then nothing changed)."""
+    try:
+        routes, attention = choices["routes"], choices["attention"]
+        choice = None if attention is None else AttentionChoice(**attention)
+    except (KeyError, TypeError):  # a record of another layout
+        return False
+    if not apply_routes(runner.model, routes):
+        return False
+    if choice is not None:
+        runner.use_attention(choice)
+    return True
+
+
+def choices_key(runner: TorchModelRunner) -> dict[str, Any]:
+    """What the runner's kernel choices depend on (tuning_cache.py)."""
+    return tuning_key(
+        runner.model_path,
+        {
+            "dtype": str(runner.model.embed_tokens.weight.dtype),
+            "kv_dtype": str(runner.kv_cache[0][0].dtype),
+            "quantization": runner.quantization,
+            "threads": torch.get_num_threads(),
+            "block_size": runner.block_size,
+            "device": str(runner.device),
+        },
+    )
