@@ -31,7 +31,7 @@ wait_ready() {  # an OpenAI server answers /v1/models (compiling for 32 sequence
 
 measure() {  # name url
     # shellcheck disable=SC2086
-    $PY bench/serving.py --url "$2" --tokenizer "$TOK" --concurrency $CONCURRENCY \
+    $PY -m bench.serving --url "$2" --tokenizer "$TOK" --concurrency $CONCURRENCY \
         --out "$OUT/$1.json" | tee "$OUT/$1.md"
 }
 

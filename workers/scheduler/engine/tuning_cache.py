@@ -115,6 +115,11 @@ class TuningCache:
 
 
 def use_inductor_cache(cache_dir: Path) -> None:
-    """Points Inductor's on-disk cache (compiled graphs, C++ builds) at `cache_dir/inductor`
-    unless TORCHINDUCTOR_CACHE_DIR already names one; Inductor reads it from the environment."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
+    """Points Inductor's on-disk cache (compiled graphs, C++ builds) at `cache_dir/inductor`,
+    unless TORCHINDUCTOR_CACHE_DIR names another place than torch's default (which torch
+    writes into the environment itself when it first looks: importing it is enough)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or Path(current).resolve() == Path(default_cache_dir()).resolve():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
