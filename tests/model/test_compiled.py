@@ -15,7 +15,7 @@ from tests.support.decoding import decode_steps
 from tests.support.engine import run_core
 from tests.support.models import SMALL, saved_random_model
 from workers.scheduler.core.sequence import Sequence
-from workers.scheduler.engine import model_runner
+from workers.scheduler.engine import kernel_choices
 from workers.scheduler.engine.model_runner import TorchModelRunner
 from workers.scheduler.kernels import paged_decode
 from workers.scheduler.kernels.paged_decode import kernel_library
@@ -133,7 +133,7 @@ def test_compiled_decode_keeps_the_prepacked_projections_the_kernel_and_the_bf16
     if paged and kernel_library() is None:
         pytest.skip("no C compiler here: the paged decode kernel is not built")
     choice = AttentionChoice(upcast_sdpa=True, matmul_decodes=True, paged_decodes=paged)
-    monkeypatch.setattr(model_runner, "choose_attention", lambda *_: choice)
+    monkeypatch.setattr(kernel_choices, "choose_attention", lambda *_: choice)
     eager, compiled = (
         TorchModelRunner.load(
             str(folder),
@@ -167,3 +167,26 @@ def test_compiled_decode_keeps_the_prepacked_projections_the_kernel_and_the_bf16
     assert len(kernel_runs) == (8 * len(compiled.model.layers) if paged else 0)
     error = (hidden[1] - hidden[0]).abs().max() / hidden[0].abs().max()
     assert error < (0.03 if dtype == "bfloat16" else 1e-4), error
+
+
+def test_a_restart_with_another_cache_size_takes_the_graphs_from_disk(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV cache's size follows the free memory at start; the graphs must not depend on
+    it, or a restart compiles them all again instead of reading Inductor's disk cache."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def start(num_kv_blocks: int) -> tuple[int, int]:
+        torch._dynamo.reset()  # a fresh process, as far as dynamo knows
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        misses = counters["inductor"]["fxgraph_cache_miss"]
+        TorchModelRunner.load(str(folder), num_kv_blocks, BLOCK_SIZE, torch_compile_max_bs=1)
+        return (
+            counters["inductor"]["fxgraph_cache_hit"] - hits,
+            counters["inductor"]["fxgraph_cache_miss"] - misses,
+        )
+
+    first_hits, first_misses = start(NUM_KV_BLOCKS)
+    assert first_misses >= 1
+    hits, misses = start(NUM_KV_BLOCKS + 13)
+    assert (hits, misses) == (first_hits + first_misses, 0)

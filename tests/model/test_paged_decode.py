@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tests.support.engine import BLOCK_SIZE, hand_seqs, step
 from tests.support.models import SMALL, saved_random_model
-from workers.scheduler.engine import model_runner
+from workers.scheduler.engine import kernel_choices
 from workers.scheduler.engine.model_runner import TorchModelRunner
 from workers.scheduler.kernels import paged_decode as paged_decode_module
 from workers.scheduler.kernels.paged_decode import (
@@ -172,7 +172,7 @@ def test_only_inexact_fp32_runners_time_the_kernels(
     timed: list[tuple[torch.dtype, torch.dtype]] = []
     choice = AttentionChoice(upcast_sdpa=True, matmul_decodes=False, paged_decodes=True)
     monkeypatch.setattr(
-        model_runner, "choose_attention", lambda _, *dtypes: timed.append(dtypes) or choice
+        kernel_choices, "choose_attention", lambda _, *dtypes: timed.append(dtypes) or choice
     )
     exact = TorchModelRunner.load(str(folder), 32, BLOCK_SIZE)
     assert not timed and not exact.paged_decodes and not exact.matmul_decodes

@@ -7,11 +7,7 @@ import pytest
 import torch
 
 from tests.support.models import tiny_args
-from workers.scheduler.engine.memory import (
-    available_memory,
-    kv_bytes_per_token,
-    num_kv_blocks_for,
-)
+from workers.scheduler.engine.memory import available_memory, kv_bytes_per_token, num_kv_blocks_for
 
 MiB = 2**20
 
@@ -40,13 +36,3 @@ def test_bytes_per_token_count_k_and_v_of_every_layer() -> None:
 
 def test_available_cpu_memory_is_positive_and_at_most_the_total() -> None:
     assert 0 < available_memory(torch.device("cpu")) <= psutil.virtual_memory().total
-
-
-def test_the_memory_bound_is_the_same_when_free_memory_moves_a_little() -> None:
-    # Two starts of the same scheduler: 19,001 and 19,074 blocks' worth of free memory gave
-    # two cache shapes, and torch.compile's on-disk graphs missed on the second start.
-    block = 360 * 1024
-    first, second = (num_kv_blocks_for(0, 1.0, n * block, block) for n in (19_001, 19_074))
-    assert first == second == 18_432
-    assert num_kv_blocks_for(0, 1.0, 19_001 * block, block) >= 19_001 * 15 // 16
-    assert num_kv_blocks_for(19_000, 1.0, 30_000 * block, block) == 19_000  # a set size stays

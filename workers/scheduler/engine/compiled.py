@@ -61,7 +61,7 @@ class CompiledDecode:
     def __call__(
         self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache: Seq[LayerCache]
     ) -> torch.Tensor:
-        _mark_dynamic_dims(input_ids, batch)
+        _mark_dynamic_dims(input_ids, batch, kv_cache)
         self.calls += 1
         with torch.compiler.set_stance("default" if self._compiling else "eager_on_recompile"):
             return self._forward(input_ids, batch, kv_cache)
@@ -89,8 +89,15 @@ class CompiledDecode:
         self._compiling = False
 
 
-def _mark_dynamic_dims(input_ids: torch.Tensor, batch: AttentionBatch) -> None:
-    """The context length, always; the batch (a token per sequence) from 2 sequences on."""
+def _mark_dynamic_dims(
+    input_ids: torch.Tensor, batch: AttentionBatch, kv_cache: Seq[LayerCache]
+) -> None:
+    """The context length, always; the batch (a token per sequence) from 2 sequences on; the
+    KV cache's slots (its size follows the free memory at start, so a restart's graphs are
+    those on disk only if they do not depend on it)."""
+    for layer_cache in kv_cache:
+        for cache in layer_cache:
+            torch._dynamo.maybe_mark_dynamic(cache, 1)
     batched = input_ids.shape[0] > 1
     if batched:
         for tensor in (input_ids, batch.positions, batch.slot_mapping, batch.last_index):

@@ -67,16 +67,12 @@ def num_kv_blocks_for(
     max_blocks: int, memory_fraction: float, available_bytes: int, bytes_per_block: int
 ) -> int:
     """KV cache blocks: `memory_fraction` of `available_bytes`, and at most `max_blocks`
-    (either one 0 = no bound from it, not both). The memory's bound is rounded down to 16
-    steps per power of two (it loses at most 1/16): the free memory differs a little from
-    start to start, and a cache of another size is another shape to torch.compile, whose
-    graphs a restart could then not take from its on-disk cache."""
+    (either one 0 = no bound from it, not both)."""
     if not (max_blocks or memory_fraction):
         raise ValueError("size the KV cache with a block count or a memory fraction")
     bounds = [max_blocks] if max_blocks else []
     if memory_fraction:
-        in_memory = int(available_bytes * memory_fraction) // bytes_per_block
-        bounds.append(round_down_coarsely(in_memory))
+        bounds.append(int(available_bytes * memory_fraction) // bytes_per_block)
     num_blocks = min(bounds)
     if num_blocks < 1:
         raise MemoryError(
@@ -84,9 +80,3 @@ def num_kv_blocks_for(
             f"is less than one block ({bytes_per_block / 2**20:.1f} MiB)"
         )
     return num_blocks
-
-
-def round_down_coarsely(blocks: int) -> int:
-    """`blocks` rounded down to a multiple of 1/16 of the largest power of two below it."""
-    step = max(1, (1 << max(blocks.bit_length() - 1, 0)) // 16)
-    return blocks // step * step
