@@ -20,7 +20,7 @@ from workers.scheduler.model.llama import Attention, LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 
-class TorchModelRunner(Protocol):
+class TunedRunner(Protocol):
     """What the choices read and set of the runner (engine/model_runner.py)."""
 
     model: LlamaForCausalLM
@@ -33,7 +33,7 @@ class TorchModelRunner(Protocol):
     def use_attention(self, choice: AttentionChoice) -> None: ...
 
 
-def recall_or_time_kernels(runner: TorchModelRunner, tuning_dir: Path | None) -> None:
+def recall_or_time_kernels(runner: TunedRunner, tuning_dir: Path | None) -> None:
     """Takes the choices stored under the runner's key in `tuning_dir`, or times them and
     stores them there (None: times them, stores nothing)."""
     cache = TuningCache(tuning_dir / "tuning") if tuning_dir else None
@@ -48,7 +48,7 @@ def recall_or_time_kernels(runner: TorchModelRunner, tuning_dir: Path | None) ->
         cache.save(key, choices)
 
 
-def time_kernels(runner: TorchModelRunner) -> dict[str, Any]:
+def time_kernels(runner: TunedRunner) -> dict[str, Any]:
     """Routes each projection's step sizes and picks the attention kernels, timing them
     here; returns the choices (as `use_choices` takes them)."""
     model = runner.model
@@ -67,7 +67,7 @@ def time_kernels(runner: TorchModelRunner) -> dict[str, Any]:
     return {"routes": routes, "attention": None if choice is None else asdict(choice)}
 
 
-def use_choices(runner: TorchModelRunner, choices: dict[str, Any]) -> bool:
+def use_choices(runner: TunedRunner, choices: dict[str, Any]) -> bool:
     """Takes the routes and attention kernels `time_kernels` returned at an earlier start;
     False where they do not fit this model (then nothing changed)."""
     try:
@@ -82,7 +82,7 @@ def use_choices(runner: TorchModelRunner, choices: dict[str, Any]) -> bool:
     return True
 
 
-def choices_key(runner: TorchModelRunner) -> dict[str, Any]:
+def choices_key(runner: TunedRunner) -> dict[str, Any]:
     """What the runner's kernel choices depend on (tuning_cache.py)."""
     return tuning_key(
         runner.model_path,
