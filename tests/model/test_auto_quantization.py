@@ -13,11 +13,16 @@ from transformers import LlamaConfig
 
 from shared.model_files import SOURCE_PRECISION, gguf_tensor_types
 from tests.support.models import SMALL, saved_random_model
+from tests.support.routing import route_every_size
+from tests.support.teacher_forcing import Reference, agreement
 from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.kernels import int8_bf16
 from workers.scheduler.layers.auto_quantization import HEAD, plan_quantization
-from workers.scheduler.layers.quantization import INT4_GROUP_SIZE, Int4Weights
+from workers.scheduler.layers.quantization import INT4_GROUP_SIZE, Int4Weights, int8_channels
 from workers.scheduler.layers.tiered import TieredLinear
 
+# The bounds of tests/model/test_quantization.py's teacher-forced tests.
+MIN_TOP1_AGREEMENT, MAX_MEAN_LOGPROB_ERROR = 0.95, 0.06
 PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -77,7 +82,23 @@ def test_the_packaged_q4_1_gguf_loads_in_int4_by_default(model_path: str) -> Non
     tiered = [m for m in runner.model.modules() if isinstance(m, TieredLinear)]
     assert len(tiered) == 4 * runner.model.args.num_layers + 1
     assert sum("int4" in m.kernels for m in tiered) == 4 * runner.model.args.num_layers
-    assert list(runner.model.lm_head.kernels) == ["int8"]
+    amx = ["int8_bf16"] if int8_bf16.fits(torch.zeros(64, 64)) else []
+    assert list(runner.model.lm_head.kernels) == ["int8", *amx]
+    assert all(list(m.kernels) == ["int4", *amx] for m in tiered[:-1])
+
+
+def test_auto_follows_the_fp32_greedy_trajectory_through_each_of_its_kernels(
+    model_path: str, reference: Reference
+) -> None:
+    # Every step size routed to one kernel at a time: int4 projections with the int8 head,
+    # then (AMX-BF16 CPUs) int8 x bf16 everywhere.
+    runner = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="auto")
+    kernels = ["int4", *(["int8_bf16"] if int8_bf16.fits(torch.zeros(64, 64)) else [])]
+    for kernel in kernels:
+        route_every_size(runner.model, kernel)
+        result = agreement(reference, runner)
+        assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, f"{kernel}: {result}"
+        assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, f"{kernel}: {result}"
 
 
 def test_int4_holds_the_q4_1_weights_on_their_own_grid(model_path: str) -> None:
@@ -91,6 +112,10 @@ def test_int4_holds_the_q4_1_weights_on_their_own_grid(model_path: str) -> None:
     step = group_step(checkpoint).mean()
     assert int4_error(checkpoint).mean() < 0.05 * step
     assert int4_error(off_grid).mean() > 0.15 * step
+    # int8 per output channel (the int8 x bf16 kernel's weights): off the grid, but by a
+    # small part of a step (measured: 0.027 of it on average).
+    q, scale = int8_channels(checkpoint)
+    assert (q.float() * scale.unsqueeze(1) - checkpoint).abs().mean() < 0.06 * step
 
 
 def group_step(weight: torch.Tensor) -> torch.Tensor:

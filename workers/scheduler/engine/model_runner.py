@@ -364,7 +364,8 @@ def prepare_model(
     input_max = None
     if plan.method == "w8a8_int8":
         input_max = projection_input_max(model, calibration_ids(model_path), block_size)
-    if wrapped := quantize_model(model, plan.method, input_max, plan.keep_dense):
+    wrapped = quantize_model(model, plan.method, input_max, plan.keep_dense, plan.int8_bf16_too)
+    if wrapped:
         logger.info("compact %s copies of %d projections for small steps", plan.method, wrapped)
     if prepack_linears(model):
         logger.info("bf16 projections prepacked in oneDNN's layout")

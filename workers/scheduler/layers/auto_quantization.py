@@ -3,11 +3,15 @@
 A GGUF whose decoder projections are stored in 4 bits or fewer (Q4_0, Q4_1, Q4_K, IQ4, Q3_K,
 ...) lost what a dense copy could keep, so on CPU those projections take the int4 kernels
 (groups of 32 with a scale and a zero: Q4_1's own layout, so its weights come back on the
-same grid) and the LM head the int8 one where the GGUF stored it in 8 bits or fewer. Each
-step size still takes whichever of them or the dense weights was timed fastest
-(tiered.py). Projections stored in more bits (a Q4_K_M's Q6_K ones, a Q8_0 or F16 file)
-stay dense, and so does any checkpoint that is not a GGUF, and anything on CUDA. The exact
-reference stays `--dtype float32 --quantization none`.
+same grid) and the LM head the int8 one where the GGUF stored it in 8 bits or fewer. On
+CPUs with AMX-BF16 they (and the head) also get int8 weights x bf16 activations
+(kernels/int8_bf16.py): half of bf16's bytes for middle-sized steps, where int4's kernel
+is compute-bound; int8 per output channel holds a 4-bit group's values within a small
+part of the group's step (tests/model/test_auto_quantization.py). Each step size takes
+whichever of them or the dense weights was timed fastest (tiered.py). Projections stored
+in more bits (a Q4_K_M's Q6_K ones, a Q8_0 or F16 file) stay dense, and so does any
+checkpoint that is not a GGUF, and anything on CUDA. The exact reference stays
+`--dtype float32 --quantization none`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class QuantizationPlan:
     method: str  # "none", "int4" or "w8a8_int8" (layers/quantization.py)
     # Projections that stay dense: (layer index, name), or (-1, HEAD).
     keep_dense: frozenset[tuple[int, str]] = field(default_factory=frozenset)
+    int8_bf16_too: bool = False  # int4's projections and head also in int8 x bf16 (AMX)
 
 
 def plan_quantization(quantization: str, device: str, model_path: str) -> QuantizationPlan:
@@ -71,4 +76,4 @@ def plan_quantization(quantization: str, device: str, model_path: str) -> Quanti
         head,
         "dense" if (-1, HEAD) in keep_dense else "int8",
     )
-    return QuantizationPlan("int4", frozenset(keep_dense))
+    return QuantizationPlan("int4", frozenset(keep_dense), int8_bf16_too=True)

@@ -80,13 +80,16 @@ def quantize_model(
     method: str,
     input_max: dict[nn.Module, torch.Tensor] | None = None,
     keep_dense: frozenset[tuple[int, str]] = frozenset(),
+    int8_bf16_too: bool = False,
 ) -> int:
     """Wraps the decoder's projections (kernel "int4") and the LM head ("int8") in
     `TieredLinear`; for "w8a8_int8" the projections whose inputs come from a norm or
     attention (qkv, o, gate_up, the head) get a "w8a8" kernel too, which needs `input_max`
     (`projection_input_max` of a calibration run, by projection). Returns the number of
     projections wrapped. Shapes the packed kernels cannot take stay dense (see `fits`), and
-    so do those in `keep_dense`: (layer index, name), or (-1, "lm_head").
+    so do those in `keep_dense`: (layer index, name), or (-1, "lm_head"). `int8_bf16_too`:
+    "int4" also offers every projection and the head int8 weights x bf16 activations where
+    the CPU has AMX-BF16 (kernels/int8_bf16.py), for middle-sized steps.
     Routes stay untuned: `tune_routes` (tiered.py) measures them."""
     if method not in QUANTIZATIONS or method == "auto":
         raise ValueError(f"unknown quantization {method!r} ({', '.join(QUANTIZATIONS)})")
@@ -108,6 +111,8 @@ def quantize_model(
             if not fits(dense, bits=4) or (index, name) in keep_dense:
                 continue
             kernels = _decoder_kernels(name, dense, None if input_max is None else input_max[dense])
+            if int8_bf16_too:
+                kernels |= _int8_bf16(dense.weight)
             setattr(parent, name, TieredLinear(dense, kernels))
             wrapped += 1
     head = model.lm_head
@@ -116,6 +121,8 @@ def quantize_model(
         head_kernels: dict[str, nn.Module] = {"int8": Int8Weights(head.weight)}
         if input_max is not None:
             head_kernels["w8a8"] = w8a8_projection(head.weight, input_max[head])
+        if int8_bf16_too:
+            head_kernels |= _int8_bf16(head.weight)
         model.lm_head = TieredLinear(head, head_kernels)
         wrapped += 1
     return wrapped
@@ -135,6 +142,13 @@ def _decoder_kernels(
         if int8_bf16.fits(dense.weight):
             kernels["int8_bf16"] = int8_bf16.Int8Bf16(*int8_channels(dense.weight.detach().float()))
     return kernels
+
+
+def _int8_bf16(weight: torch.Tensor) -> dict[str, nn.Module]:
+    """The int8 x bf16 kernel of `weight`, where this CPU and the shape take it."""
+    if not int8_bf16.fits(weight):
+        return {}
+    return {"int8_bf16": int8_bf16.Int8Bf16(*int8_channels(weight.detach().float()))}
 
 
 def fits(dense: nn.Linear, bits: int) -> bool:
