@@ -28,7 +28,6 @@ MILESTONES = {  # a text of the scheduler's log -> the column it times
     "kernel choices as timed at an earlier start": "kernels",
     "attention kernels": "kernels",
     "compiled decode steps": "compiled",
-    "ready:": "ready",
     "serving": "serving",
 }
 

@@ -13,6 +13,7 @@ from transformers import LlamaConfig
 from tests.support.models import SMALL, saved_random_model
 from workers.scheduler.engine import kernel_choices, tuning_cache
 from workers.scheduler.engine.model_runner import TorchModelRunner
+from workers.scheduler.kernels import fused_decode
 from workers.scheduler.layers.tiered import TieredLinear
 
 
@@ -66,12 +67,14 @@ def test_a_second_start_takes_the_stored_choices_without_timing(
     stored = cache.load(key)
     assert stored is not None
     stored["routes"] = {name: ["dense"] * len(r) for name, r in stored["routes"].items()}
+    stored["fused_step"] = first.fused is None  # the other way round
     cache.save(key, stored)
 
     second = load(tiny_folder, tmp_path)
     assert (timings.routes, timings.attention) == (1, 1)  # nothing timed again
     assert routes(second) == routes(first)
     assert second.matmul_decodes == first.matmul_decodes
+    assert (second.fused is not None) == (first.fused is None and fused_decode.available())
 
 
 def test_a_changed_key_times_again_and_keeps_both(

@@ -99,9 +99,16 @@ class Agreement:
         )
 
 
-def agreement(reference: Reference, runner: TorchModelRunner) -> Agreement:
-    """`runner` fed the reference's tokens, scored against the reference's predictions."""
-    _, rows = teacher_forced(runner, reference.prompts, reference.tokens)
+def agreement(reference: Reference, runner: TorchModelRunner, alone: bool = False) -> Agreement:
+    """`runner` fed the reference's tokens, scored against the reference's predictions;
+    `alone`: each prompt decoded on its own (one-token steps), not batched."""
+    if alone:
+        rows = [
+            teacher_forced(runner, [prompt], [tokens])[1][0]
+            for prompt, tokens in zip(reference.prompts, reference.tokens, strict=True)
+        ]
+    else:
+        _, rows = teacher_forced(runner, reference.prompts, reference.tokens)
     top1, errors = 0, []
     for tokens, ref, low in zip(reference.tokens, reference.rows, rows, strict=True):
         for token, ref_row, row in zip(tokens, ref, low, strict=True):

@@ -11,7 +11,9 @@ from typing import Any, Protocol
 
 import torch
 
-from workers.scheduler.engine.batch import LayerCache
+from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.engine.batch import AttentionBatch, LayerCache
+from workers.scheduler.engine.fused_step import FusedStep, fused_is_faster
 from workers.scheduler.engine.tuning_cache import TuningCache, tuning_key
 from workers.scheduler.layers.attention_tuning import AttentionChoice, choose_attention
 from workers.scheduler.layers.tiered import TUNED_TOKENS, apply_routes, tune_routes
@@ -29,28 +31,34 @@ class TunedRunner(Protocol):
     model_path: str
     quantization: str
     block_size: int
+    padding_block: int
+
+    def forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionBatch]: ...
 
     def use_attention(self, choice: AttentionChoice) -> None: ...
+
+    def use_fused_step(self, on: bool) -> None: ...
 
 
 def recall_or_time_kernels(runner: TunedRunner, tuning_dir: Path | None) -> None:
     """Takes the choices stored under the runner's key in `tuning_dir`, or times them and
     stores them there (None: times them, stores nothing)."""
-    cache = TuningCache(tuning_dir / "tuning") if tuning_dir else None
-    key = choices_key(runner) if cache else {}
-    stored = cache.load(key) if cache else None
-    if cache and stored is not None and use_choices(runner, stored):
+    if tuning_dir is None:
+        time_kernels(runner)
+        return
+    cache, key = TuningCache(tuning_dir / "tuning"), choices_key(runner)
+    stored = cache.load(key)
+    if stored is not None and use_choices(runner, stored):
         logger.info("kernel choices as timed at an earlier start: %s", cache.path(key))
         return
-    logger.info("choosing kernels: timing them on this machine")
-    choices = time_kernels(runner)
-    if cache:
-        cache.save(key, choices)
+    cache.save(key, time_kernels(runner))
 
 
 def time_kernels(runner: TunedRunner) -> dict[str, Any]:
-    """Routes each projection's step sizes and picks the attention kernels, timing them
-    here; returns the choices (as `use_choices` takes them)."""
+    """Routes each projection's step sizes, picks the attention kernels and whether
+    one-token steps take the fused step, timing them here; returns the choices (as
+    `use_choices` takes them)."""
+    logger.info("choosing kernels: timing them on this machine")
     model = runner.model
     routes = tune_routes(model)
     if routes:
@@ -64,21 +72,33 @@ def time_kernels(runner: TunedRunner) -> dict[str, Any]:
         attention = next(m for m in model.modules() if isinstance(m, Attention))
         choice = choose_attention(attention, dtype, kv_dtype)
         runner.use_attention(choice)
-    return {"routes": routes, "attention": None if choice is None else asdict(choice)}
+    fused = FusedStep.of(model, runner.kv_cache, runner.block_size)
+    use_fused = fused is not None and fused_is_faster(
+        runner.forward, fused, runner.padding_block, runner.block_size
+    )
+    logger.info("one-token steps: %s", "the fused step" if use_fused else "the torch forward")
+    runner.use_fused_step(use_fused)
+    return {
+        "routes": routes,
+        "attention": None if choice is None else asdict(choice),
+        "fused_step": use_fused,
+    }
 
 
 def use_choices(runner: TunedRunner, choices: dict[str, Any]) -> bool:
-    """Takes the routes and attention kernels `time_kernels` returned at an earlier start;
-    False where they do not fit this model (then nothing changed)."""
+    """Takes the routes, attention kernels and fused step `time_kernels` returned at an
+    earlier start; False where they do not fit this model (then nothing changed)."""
     try:
         routes, attention = choices["routes"], choices["attention"]
         choice = None if attention is None else AttentionChoice(**attention)
+        use_fused = bool(choices["fused_step"])
     except (KeyError, TypeError):  # a record of another layout
         return False
     if not apply_routes(runner.model, routes):
         return False
     if choice is not None:
         runner.use_attention(choice)
+    runner.use_fused_step(use_fused)
     return True
 
 

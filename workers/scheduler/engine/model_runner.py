@@ -22,6 +22,7 @@ from workers.scheduler.engine.batch import AttentionBatch, AttentionGroup, Layer
 from workers.scheduler.engine.compiled import CompiledDecode
 from workers.scheduler.engine.cuda_graphs import GraphedDecode, cuda_capture
 from workers.scheduler.engine.dtypes import DTYPES, resolve_dtype, resolve_kv_dtype
+from workers.scheduler.engine.fused_step import FusedStep
 from workers.scheduler.engine.kernel_choices import recall_or_time_kernels
 from workers.scheduler.engine.memory import (
     available_memory,
@@ -101,6 +102,7 @@ class TorchModelRunner:
         ]
         self.compiled: CompiledDecode | None = None
         self.graphs: GraphedDecode | None = None
+        self.fused: FusedStep | None = None  # one-token steps in one C call (`use_fused_step`)
         # What `reload` prepares new weights like: the load's quantization, and where
         # converted GGUF checkpoints are cached (settings.cache_dir; "" = the default).
         self.quantization = "none"
@@ -187,16 +189,23 @@ class TorchModelRunner:
         missing or of another shape (ReloadError) or incomplete (the loader's error). See
         reload.py."""
         reload_runner(self, model_path, prepare_model)
+        if self.fused is not None:  # it points at the weights it was built on
+            self.use_fused_step(True)
 
     def use_attention(self, choice: AttentionChoice) -> None:
         """The attention kernels `choose_attention` timed fastest on this CPU."""
-        logger.info("attention kernels, as timed here: %s", choice)
+        logger.info("attention kernels: %s", choice)
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.upcast_sdpa = choice.upcast_sdpa
         self.matmul_decodes = choice.matmul_decodes
         self.paged_decodes = choice.paged_decodes
         self.matmul_prefill_max_context = choice.matmul_prefill_max_context
+
+    def use_fused_step(self, on: bool) -> None:
+        """One-token steps through the fused C step where it takes the model (fused_step.py),
+        or (off) through the torch forward."""
+        self.fused = FusedStep.of(self.model, self.kv_cache, self.block_size) if on else None
 
     def graphed_decode(self, max_batch: int) -> GraphedDecode:
         """Decode steps of up to `max_batch` sequences over contexts up to the model's
@@ -231,6 +240,8 @@ class TorchModelRunner:
         of each sequence, from `seq.num_computed_tokens` on."""
         if self.graphs is not None and self.graphs.takes(seqs):
             return self.graphs(seqs)
+        if self.fused is not None and self.fused.takes(seqs):
+            return self.fused(seqs)
         input_ids = torch.tensor(
             [
                 t

@@ -30,7 +30,14 @@ logger = logging.getLogger(__name__)
 
 # The tuning code and the kernels it times: a change to any of them retunes.
 _SOURCES = Path(__file__).parents[1]
-_SOURCE_GLOBS = ("layers/*.py", "kernels/*.py", "kernels/csrc/*", "engine/model_runner.py")
+_SOURCE_GLOBS = (
+    "layers/*.py",
+    "kernels/*.py",
+    "kernels/csrc/*",
+    "engine/model_runner.py",
+    "engine/kernel_choices.py",
+    "engine/fused_step.py",
+)
 
 
 def tuning_key(model_path: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -115,11 +122,7 @@ class TuningCache:
 
 
 def use_inductor_cache(cache_dir: Path) -> None:
-    """Points Inductor's on-disk cache (compiled graphs, C++ builds) at `cache_dir/inductor`,
-    unless TORCHINDUCTOR_CACHE_DIR names another place than torch's default (which torch
-    writes into the environment itself when it first looks: importing it is enough)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or Path(current).resolve() == Path(default_cache_dir()).resolve():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
+    """Points Inductor's on-disk cache (compiled graphs, C++ builds) at `cache_dir/inductor`.
+    Inductor takes its directory from the environment only, and torch already wrote its
+    default there on import, so this one is set, not defaulted."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")

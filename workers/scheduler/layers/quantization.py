@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from shared.config import QUANTIZATIONS
-from workers.scheduler.kernels import int8_bf16
+from workers.scheduler.kernels import fused_decode, int8_bf16
 from workers.scheduler.kernels.w8a8 import FusedW8A8, build_kernel, kernel_fits
 from workers.scheduler.layers.tiered import TieredLinear
 from workers.scheduler.model.llama import LlamaForCausalLM
@@ -51,9 +51,15 @@ class Int4Weights(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        packed, scales = int4_groups(weight.detach().float(), INT4_GROUP_SIZE)
+        q, scale, low = int4_grid(weight.detach().float(), INT4_GROUP_SIZE)
+        packed, scales = int4_packed(q, scale, low)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
+        # The same groups in the fused one-token step's layout (kernels/fused_decode.py),
+        # where that kernel runs.
+        self.tiles: fused_decode.Int4Tiles | None = None
+        if fused_decode.available() and fused_decode.tiles_fit(*q.shape):
+            self.tiles = fused_decode.Int4Tiles.of(q, scale, low)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low = x.to(torch.bfloat16)
@@ -161,20 +167,33 @@ def fits(dense: nn.Linear, bits: int) -> bool:
     return bits == 8 or dense.out_features % 16 == 0
 
 
-def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 per group of `group` inputs: w ≈ (q - 8) * scale + zero with q in
-    [0, 15] (the packed kernel's convention). Returns the packed weight and the
-    [in / group, out, 2] bf16 scales and zeros."""
+def int4_grid(
+    weight: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group` inputs (Q4_1's grid): w ≈ q * scale + low with q
+    in [0, 15]. Returns q [out, in] int32, scale and low [out, in / group]."""
     out_features, in_features = weight.shape
     groups = weight.view(out_features, in_features // group, group)
     low, high = groups.amin(-1), groups.amax(-1)
     scale = ((high - low) / 15).clamp(min=1e-10)
     q = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15)
-    q = q.to(torch.int32).view(out_features, in_features)
+    return q.to(torch.int32).view(out_features, in_features), scale, low
+
+
+def int4_packed(
+    q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_grid`'s groups for torch's packed kernel, whose convention is w ≈ (q - 8) *
+    scale + zero: the packed weight and the [in / group, out, 2] bf16 scales and zeros."""
     zero = low + 8 * scale
     scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     return packed, scales_and_zeros.to(torch.bfloat16)
+
+
+def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_grid` then `int4_packed`."""
+    return int4_packed(*int4_grid(weight, group))
 
 
 def int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
