@@ -6,6 +6,7 @@
     python bench/steps.py --batch 64 --modes w8a8_int8 --kv-cache-dtypes auto bfloat16
     python bench/steps.py --batch 16 --modes int4 w8a8_int8 --w8a8-ab  # its C kernel on/off
     python bench/steps.py --batch 64 --modes w8a8_int8 --amx-ab  # the kernel's AMX tiles on/off
+    python bench/steps.py --batch 1 --modes auto --fused-ab  # the fused one-token step on/off
 
 On a noisy VM two runs of the same engine can differ by 30%; alternating the modes' steps
 lets them share the same noise. Each mode gets its own runner and `--batch` prompts of
@@ -76,6 +77,29 @@ def step(runner: TorchModelRunner, core: Scheduler) -> float:
     return time.perf_counter() - started
 
 
+def ab_engines(
+    args: argparse.Namespace, model_path: str, prompts: list[list[int]], total: int
+) -> tuple[list[tuple[TorchModelRunner, Scheduler]], list[str]]:
+    """The engines of --w8a8-ab, --amx-ab and --fused-ab, with their names."""
+    engines: list[tuple[TorchModelRunner, Scheduler]] = []
+    names: list[str] = []
+    if args.w8a8_ab and "w8a8_int8" in args.modes:
+        with without_w8a8_kernel():
+            engines.append(engine(model_path, "w8a8_int8", prompts, total, args.dtype))
+        names.append("w8a8_int8, fbgemm's path")
+    if args.amx_ab and "w8a8_int8" in args.modes:
+        with without_amx_tiles():
+            engines.append(engine(model_path, "w8a8_int8", prompts, total, args.dtype))
+        names.append("w8a8_int8, no AMX tiles")
+    if args.fused_ab:
+        for m in args.modes:
+            runner, core = engine(model_path, m, prompts, total, args.dtype)
+            runner.use_fused_step(False)
+            engines.append((runner, core))
+            names.append(f"{m}, torch forward for one-token steps")
+    return engines, names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -109,6 +133,11 @@ def main() -> None:
         action="store_true",
         help="w8a8_int8 also with its C kernel built without AMX tiles (CPUs with AMX-INT8)",
     )
+    parser.add_argument(
+        "--fused-ab",
+        action="store_true",
+        help="each mode also with one-token steps on the torch forward, not the fused step",
+    )
     args = parser.parse_args()
     if args.compile and args.paged_ab:
         parser.error("--paged-ab changes kernels after load, where compiled graphs are fixed")
@@ -132,14 +161,9 @@ def main() -> None:
         for i, (runner, _) in enumerate(engines):  # torch's paths as timed at load, or the kernel
             paged = i >= len(args.modes)
             runner.use_attention(AttentionChoice(True, runner.matmul_decodes, paged_decodes=paged))
-    if args.w8a8_ab and "w8a8_int8" in args.modes:
-        with without_w8a8_kernel():
-            engines.append(engine(model_path, "w8a8_int8", prompts, total, args.dtype))
-        names.append("w8a8_int8, fbgemm's path")
-    if args.amx_ab and "w8a8_int8" in args.modes:
-        with without_amx_tiles():
-            engines.append(engine(model_path, "w8a8_int8", prompts, total, args.dtype))
-        names.append("w8a8_int8, no AMX tiles")
+    more_engines, more_names = ab_engines(args, model_path, prompts, total)
+    engines += more_engines
+    names += more_names
     for runner, core in engines:
         for _ in range(1 + args.warmup):
             step(runner, core)
