@@ -138,3 +138,16 @@ def test_fused_steps_follow_the_fp32_greedy_trajectory(
     result = agreement(reference, runner, alone=True)
     assert result.top1 >= 0.95 * result.total, result
     assert result.mean_error <= 0.06, result
+
+
+@needs_kernel
+def test_a_token_or_position_outside_the_model_raises_as_the_torch_forward_does(
+    tiny_folder: Path,
+) -> None:
+    runner = TorchModelRunner.load(str(tiny_folder), 8, BLOCK_SIZE, quantization="int4")
+    runner.use_fused_step(True)
+    assert runner.fused is not None
+    with pytest.raises(IndexError):
+        runner.fused.decoder(SMALL["vocab_size"], 0, [0])
+    with pytest.raises(IndexError):
+        runner.fused.decoder(1, SMALL["max_position_embeddings"], list(range(8)) * 2)

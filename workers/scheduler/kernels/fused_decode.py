@@ -133,6 +133,9 @@ class FusedDecoder:
     def __call__(self, token: int, position: int, block_table: list[int]) -> torch.Tensor:
         """The final normed hidden state [1, hidden] of `token` at `position` of a sequence
         whose cache blocks are `block_table`; its K/V are written to the cache."""
+        if not (0 <= token < self.embed.shape[0] and 0 <= position < self.rope[0].shape[0]):
+            # The C side reads the tables unchecked; the torch forward raises here too.
+            raise IndexError(f"token {token} at position {position} is outside the model")
         out = torch.empty(1, self.shape.hidden, dtype=self.out_dtype)
         table = (ctypes.c_int32 * len(block_table))(*block_table)
         scratch = -self.scratch.data_ptr() % 64 + self.scratch.data_ptr()
