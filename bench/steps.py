@@ -6,7 +6,7 @@
     python bench/steps.py --batch 64 --modes w8a8_int8 --kv-cache-dtypes auto bfloat16
     python bench/steps.py --batch 16 --modes int4 w8a8_int8 --w8a8-ab  # its C kernel on/off
     python bench/steps.py --batch 64 --modes w8a8_int8 --amx-ab  # the kernel's AMX tiles on/off
-    python bench/steps.py --batch 1 --modes auto --fused-ab  # the fused one-token step on/off
+    python bench/steps.py --batch 16 --modes auto --fused-ab  # the fused decode step on/off
 
 On a noisy VM two runs of the same engine can differ by 30%; alternating the modes' steps
 lets them share the same noise. Each mode gets its own runner and `--batch` prompts of
@@ -94,9 +94,9 @@ def ab_engines(
     if args.fused_ab:
         for m in args.modes:
             runner, core = engine(model_path, m, prompts, total, args.dtype)
-            runner.use_fused_step(False)
+            runner.use_fused_step(0)
             engines.append((runner, core))
-            names.append(f"{m}, torch forward for one-token steps")
+            names.append(f"{m}, torch forward for decode steps")
     return engines, names
 
 
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument(
         "--fused-ab",
         action="store_true",
-        help="each mode also with one-token steps on the torch forward, not the fused step",
+        help="each mode also with decode steps on the torch forward, not the fused step",
     )
     args = parser.parse_args()
     if args.compile and args.paged_ab:

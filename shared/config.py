@@ -264,3 +264,10 @@ def child_process_env(settings: Settings) -> dict[str, str]:
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+def use_inductor_cache(folder: Path) -> None:
+    """Points Inductor's on-disk cache (compiled graphs, C++ builds) at `folder`. Inductor
+    takes its directory from the environment only, and torch already wrote its default
+    there on import, so this one is set, not defaulted."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)

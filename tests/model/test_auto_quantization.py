@@ -16,7 +16,7 @@ from tests.support.models import SMALL, saved_random_model
 from tests.support.routing import route_every_size
 from tests.support.teacher_forcing import Reference, agreement
 from workers.scheduler.engine.model_runner import TorchModelRunner
-from workers.scheduler.kernels import int8_bf16
+from workers.scheduler.kernels import fused_decode, int8_bf16
 from workers.scheduler.layers.auto_quantization import HEAD, plan_quantization
 from workers.scheduler.layers.quantization import INT4_GROUP_SIZE, Int4Weights, int8_channels
 from workers.scheduler.layers.tiered import TieredLinear
@@ -83,19 +83,25 @@ def test_the_packaged_q4_1_gguf_loads_in_int4_by_default(model_path: str) -> Non
     assert len(tiered) == 4 * runner.model.args.num_layers + 1
     assert sum("int4" in m.kernels for m in tiered) == 4 * runner.model.args.num_layers
     amx = ["int8_bf16"] if int8_bf16.fits(torch.zeros(64, 64)) else []
-    assert list(runner.model.lm_head.kernels) == ["int8", *amx]
-    assert all(list(m.kernels) == ["int4", *amx] for m in tiered[:-1])
+    vnni = fused_decode.available()
+    assert list(runner.model.lm_head.kernels) == ["int8", *["int8_vnni"] * vnni, *amx]
+    assert all(list(m.kernels) == ["int4", *["int4_vnni"] * vnni, *amx] for m in tiered[:-1])
 
 
 def test_auto_follows_the_fp32_greedy_trajectory_through_each_of_its_kernels(
     model_path: str, reference: Reference
 ) -> None:
     # Every step size routed to one kernel at a time: int4 projections with the int8 head,
-    # then (AMX-BF16 CPUs) int8 x bf16 everywhere.
+    # then (AVX512-VNNI CPUs) both times int8 activations, then (AMX-BF16 CPUs) int8 x bf16
+    # everywhere.
     runner = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="auto")
-    kernels = ["int4", *(["int8_bf16"] if int8_bf16.fits(torch.zeros(64, 64)) else [])]
+    kernels = [
+        ("int4",),
+        *([("int4_vnni", "int8_vnni")] if fused_decode.available() else []),
+        *([("int8_bf16",)] if int8_bf16.fits(torch.zeros(64, 64)) else []),
+    ]
     for kernel in kernels:
-        route_every_size(runner.model, kernel)
+        route_every_size(runner.model, *kernel)
         result = agreement(reference, runner)
         assert result.top1 / result.total >= MIN_TOP1_AGREEMENT, f"{kernel}: {result}"
         assert result.mean_error <= MAX_MEAN_LOGPROB_ERROR, f"{kernel}: {result}"

@@ -229,6 +229,7 @@ def test_bf16_prepacked_projections_give_the_plain_bits(family: Any, quantizatio
     for runner in (packed, plain):
         route_every_size(runner.model, DENSE)
         runner.use_attention(AttentionChoice(upcast_sdpa=True, matmul_decodes=True))
+        runner.use_fused_step(0)  # decode steps through the projections too
     linears = [m for m in packed.model.modules() if isinstance(m, PrepackedLinear)]
     assert len(linears) == 4 * len(packed.model.layers) + 1  # and the LM head, wrapped or not
     prompts = [list(range(3, 3 + n)) for n in (40, 7, 19)]

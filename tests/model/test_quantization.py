@@ -13,7 +13,7 @@ from torch import nn
 from tests.support.routing import route_every_size
 from tests.support.teacher_forcing import Reference, agreement
 from workers.scheduler.engine.model_runner import TorchModelRunner
-from workers.scheduler.kernels import int8_bf16
+from workers.scheduler.kernels import fused_decode, int8_bf16
 from workers.scheduler.kernels.w8a8 import FusedW8A8, kernel_fits
 from workers.scheduler.layers import quantization
 from workers.scheduler.layers.quantization import (
@@ -135,10 +135,13 @@ def test_tune_routes_sends_each_step_size_to_the_kernel_that_ran_it_fastest() ->
 def test_quantize_model_wraps_every_projection_and_the_head(model_path: str) -> None:
     runner = TorchModelRunner.load(model_path, 8, 16, dtype="float32", quantization="int4")
     model = runner.model
-    assert isinstance(model.lm_head, TieredLinear) and list(model.lm_head.kernels) == ["int8"]
+    # With AVX512-VNNI the int8 and int4 groups also go through the fused step's products.
+    vnni = fused_decode.available()
+    head, projection = ["int8"] + ["int8_vnni"] * vnni, ["int4"] + ["int4_vnni"] * vnni
+    assert isinstance(model.lm_head, TieredLinear) and list(model.lm_head.kernels) == head
     for layer in model.layers:
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-            assert isinstance(proj, TieredLinear) and list(proj.kernels) == ["int4"]
+            assert isinstance(proj, TieredLinear) and list(proj.kernels) == projection
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_model(model, "int3")
 

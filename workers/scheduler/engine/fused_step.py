@@ -1,9 +1,9 @@
-"""The model runner's one-token steps through the fused C step (kernels/fused_decode.py):
-a step that carries one sequence's one new token — a single stream's decode — runs the
-whole forward in one call instead of the torch model's ~750 ops. It serves int4-quantized
-models (`--quantization auto` on a Q4 GGUF, or `int4`) whose every decoder projection has
-the int4 groups, where it was timed faster than the torch forward at load
-(`fused_is_faster`); other steps, and other models, keep the torch forward.
+"""The model runner's decode steps through the fused C step (kernels/fused_decode.py): a
+step that carries one new token for each of its sequences runs the whole forward in one
+call instead of the torch model's ~750 ops. It serves int4-quantized models (`--quantization
+auto` on a Q4 GGUF, or `int4`) whose every decoder projection has the int4 groups, for
+batches up to the size where it was timed faster than the torch forward at load
+(`fused_batch_limit`); other steps, and other models, keep the torch forward.
 """
 
 from __future__ import annotations
@@ -23,18 +23,28 @@ from workers.scheduler.model.llama import DecoderLayer, LlamaForCausalLM
 
 Forward = Callable[[list[Seq]], tuple[torch.Tensor, AttentionBatch]]
 TIMING_ROUNDS = 7
+# Decode batch sizes timed at load; a step of B sequences counts as the smallest of them
+# >= B. The kernel's int4 x int8 products are compute-bound long before 64 sequences, where
+# the torch forward's bf16 matmuls (AMX) pull ahead on some CPUs.
+TIMED_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class FusedStep:
     def __init__(self, decoder: fused_decode.FusedDecoder, block_size: int) -> None:
         self.decoder, self.block_size = decoder, block_size
+        self.max_batch = decoder.max_batch
 
     @classmethod
     def of(
-        cls, model: LlamaForCausalLM, kv_cache: Sequence[LayerCache], block_size: int
+        cls,
+        model: LlamaForCausalLM,
+        kv_cache: Sequence[LayerCache],
+        block_size: int,
+        max_batch: int = TIMED_BATCHES[-1],
     ) -> FusedStep | None:
-        """The fused step over `model` and its cache, or None where the kernel does not run
-        here or does not take this model (see `_layer_tiles`)."""
+        """The fused step over `model` and its cache for decode steps of up to `max_batch`
+        sequences, or None where the kernel does not run here or does not take this model
+        (see `_layer_tiles`)."""
         args, embed = model.args, model.embed_tokens.weight
         dtypes = (torch.bfloat16, torch.float32)
         if (
@@ -49,7 +59,7 @@ class FusedStep:
             or args.num_heads // args.num_kv_heads > 16
         ):
             return None
-        layers: list[tuple[list[fused_decode.Int4Tiles], torch.Tensor, torch.Tensor]] = []
+        layers: list[tuple[list[fused_decode.Tiles], torch.Tensor, torch.Tensor]] = []
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             tiles = _layer_tiles(layer)
@@ -78,34 +88,41 @@ class FusedStep:
             model.norm.weight.detach(),
             (model.rope_cos, model.rope_sin),
             embed.dtype,
+            max_batch,
         )
         return cls(decoder, block_size)
 
-    @staticmethod
-    def takes(seqs: list[Seq]) -> bool:
-        return len(seqs) == 1 and seqs[0].num_new_tokens == 1
+    def takes(self, seqs: list[Seq]) -> bool:
+        """A decode step (one new token a sequence) of up to `max_batch` sequences."""
+        return len(seqs) <= self.max_batch and all(seq.num_new_tokens == 1 for seq in seqs)
 
     def __call__(self, seqs: list[Seq]) -> tuple[torch.Tensor, AttentionBatch]:
-        """The final hidden state [1, hidden] of the one new token, and the step's batch
-        (positions and last index, as the runner's outputs read them)."""
-        (seq,) = seqs
-        position = seq.num_computed_tokens
-        hidden = self.decoder(seq.token_ids[position], position, seq.block_table)
-        block = seq.block_table[position // self.block_size]
+        """The final hidden states [B, hidden] of the new tokens, and the step's batch
+        (positions and last indices, as the runner's outputs read them)."""
+        positions = [seq.num_computed_tokens for seq in seqs]
+        hidden = self.decoder(
+            [seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)],
+            positions,
+            [seq.block_table for seq in seqs],
+        )
+        slots = [
+            seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+            for seq, p in zip(seqs, positions, strict=True)
+        ]
         batch = AttentionBatch(
-            positions=torch.tensor([position]),
-            slot_mapping=torch.tensor([block * self.block_size + position % self.block_size]),
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slots),
             groups=[],
-            last_index=torch.zeros(1, dtype=torch.long),
+            last_index=torch.arange(len(seqs)),
             block_size=self.block_size,
         )
         return hidden, batch
 
 
-def _layer_tiles(layer: DecoderLayer) -> list[fused_decode.Int4Tiles] | None:
+def _layer_tiles(layer: DecoderLayer) -> list[fused_decode.Tiles] | None:
     """qkv, o, gate_up and down's int4 tiles, or None where one of them has none (kept
     dense, a bias, a shape the tiles do not take)."""
-    tiles: list[fused_decode.Int4Tiles] = []
+    tiles: list[fused_decode.Tiles] = []
     for projection in (
         layer.self_attn.qkv_proj,
         layer.self_attn.o_proj,
@@ -121,19 +138,26 @@ def _layer_tiles(layer: DecoderLayer) -> list[fused_decode.Int4Tiles] | None:
     return tiles
 
 
-def fused_is_faster(
+def fused_batch_limit(
     forward: Forward, fused: FusedStep, padding_block: int, block_size: int
-) -> bool:
-    """Whether the fused step ran a one-token step faster than `forward` (the torch
-    forward), best of `TIMING_ROUNDS` each, interleaved. The step attends to a context of
-    one block in the padding block, which no sequence owns."""
-    seq = Seq("fused-timing", [0] * block_size, SamplingParams(max_new_tokens=1))
-    seq.block_table = [padding_block]
-    seq.num_computed_tokens, seq.num_new_tokens = block_size - 1, 1
-    best = {"torch": float("inf"), "fused": float("inf")}
-    for _ in range(TIMING_ROUNDS):
-        for name, step in (("torch", forward), ("fused", fused)):
-            started = time.perf_counter()
-            step([seq])
-            best[name] = min(best[name], time.perf_counter() - started)
-    return best["fused"] < best["torch"]
+) -> int:
+    """The largest of `TIMED_BATCHES` up to which the fused step ran every timed decode step
+    faster than `forward` (the torch forward); 0 where it lost at one sequence. Best of
+    `TIMING_ROUNDS` each, interleaved. Every sequence attends to a context of one block in
+    the padding block, which no sequence owns."""
+    limit = 0
+    for size in (b for b in TIMED_BATCHES if b <= fused.max_batch):
+        seqs = [Seq(f"fused-timing-{i}", [0] * block_size, SamplingParams()) for i in range(size)]
+        for seq in seqs:
+            seq.block_table = [padding_block]
+            seq.num_computed_tokens, seq.num_new_tokens = block_size - 1, 1
+        best = {"torch": float("inf"), "fused": float("inf")}
+        for _ in range(TIMING_ROUNDS):
+            for name, step in (("torch", forward), ("fused", fused)):
+                started = time.perf_counter()
+                step(seqs)
+                best[name] = min(best[name], time.perf_counter() - started)
+        if best["fused"] >= best["torch"]:
+            break
+        limit = size
+    return limit

@@ -13,7 +13,7 @@ import torch
 
 from workers.scheduler.core.sequence import Sequence
 from workers.scheduler.engine.batch import AttentionBatch, LayerCache
-from workers.scheduler.engine.fused_step import FusedStep, fused_is_faster
+from workers.scheduler.engine.fused_step import FusedStep, fused_batch_limit
 from workers.scheduler.engine.tuning_cache import TuningCache, tuning_key
 from workers.scheduler.layers.attention_tuning import AttentionChoice, choose_attention
 from workers.scheduler.layers.tiered import TUNED_TOKENS, apply_routes, tune_routes
@@ -37,7 +37,7 @@ class TunedRunner(Protocol):
 
     def use_attention(self, choice: AttentionChoice) -> None: ...
 
-    def use_fused_step(self, on: bool) -> None: ...
+    def use_fused_step(self, max_batch: int, built: FusedStep | None = None) -> None: ...
 
 
 def recall_or_time_kernels(runner: TunedRunner, tuning_dir: Path | None) -> None:
@@ -55,8 +55,8 @@ def recall_or_time_kernels(runner: TunedRunner, tuning_dir: Path | None) -> None
 
 
 def time_kernels(runner: TunedRunner) -> dict[str, Any]:
-    """Routes each projection's step sizes, picks the attention kernels and whether
-    one-token steps take the fused step, timing them here; returns the choices (as
+    """Routes each projection's step sizes, picks the attention kernels and up to how many
+    sequences decode steps take the fused step, timing them here; returns the choices (as
     `use_choices` takes them)."""
     logger.info("choosing kernels: timing them on this machine")
     model = runner.model
@@ -73,15 +73,19 @@ def time_kernels(runner: TunedRunner) -> dict[str, Any]:
         choice = choose_attention(attention, dtype, kv_dtype)
         runner.use_attention(choice)
     fused = FusedStep.of(model, runner.kv_cache, runner.block_size)
-    use_fused = fused is not None and fused_is_faster(
-        runner.forward, fused, runner.padding_block, runner.block_size
+    runner.use_fused_step(0)  # timing the torch forward
+    limit = 0
+    if fused is not None:
+        limit = fused_batch_limit(runner.forward, fused, runner.padding_block, runner.block_size)
+    logger.info(
+        "decode steps: %s",
+        f"the fused step up to {limit} sequences" if limit else "the torch forward",
     )
-    logger.info("one-token steps: %s", "the fused step" if use_fused else "the torch forward")
-    runner.use_fused_step(use_fused)
+    runner.use_fused_step(limit, fused)
     return {
         "routes": routes,
         "attention": None if choice is None else asdict(choice),
-        "fused_step": use_fused,
+        "fused_step": limit,
     }
 
 
@@ -91,14 +95,16 @@ def use_choices(runner: TunedRunner, choices: dict[str, Any]) -> bool:
     try:
         routes, attention = choices["routes"], choices["attention"]
         choice = None if attention is None else AttentionChoice(**attention)
-        use_fused = bool(choices["fused_step"])
+        fused_limit = choices["fused_step"]
     except (KeyError, TypeError):  # a record of another layout
+        return False
+    if type(fused_limit) is not int:
         return False
     if not apply_routes(runner.model, routes):
         return False
     if choice is not None:
         runner.use_attention(choice)
-    runner.use_fused_step(use_fused)
+    runner.use_fused_step(fused_limit)
     return True
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shared.config import use_inductor_cache
 from shared.protocol import SamplingParams
 from workers.scheduler.core.sequence import Sequence
 from workers.scheduler.engine.batch import AttentionBatch, AttentionGroup, LayerCache, score_bias
@@ -26,6 +27,7 @@ from workers.scheduler.engine.fused_step import FusedStep
 from workers.scheduler.engine.kernel_choices import recall_or_time_kernels
 from workers.scheduler.engine.memory import (
     available_memory,
+    cache_zeros,
     keep_freed_memory,
     kv_bytes_per_token,
     num_kv_blocks_for,
@@ -39,8 +41,8 @@ from workers.scheduler.engine.outputs import (
 )
 from workers.scheduler.engine.reload import reload_runner
 from workers.scheduler.engine.sampler import process_logits, sample
-from workers.scheduler.engine.tuning_cache import use_inductor_cache
 from workers.scheduler.grammar.masks import GrammarMasks, Masks, apply_masks
+from workers.scheduler.kernels.c_build import keep_builds_in
 from workers.scheduler.layers.attention_tuning import PREFILL_TOKENS, AttentionChoice
 from workers.scheduler.layers.auto_quantization import plan_quantization
 from workers.scheduler.layers.prepacked import prepack_linears
@@ -95,14 +97,14 @@ class TorchModelRunner:
         kv_dtype = kv_dtype or weight.dtype
         self.kv_cache: list[LayerCache] = [
             (
-                torch.zeros(shape, dtype=kv_dtype, device=weight.device),
-                torch.zeros(shape, dtype=kv_dtype, device=weight.device),
+                cache_zeros(shape, kv_dtype, weight.device),
+                cache_zeros(shape, kv_dtype, weight.device),
             )
             for _ in range(args.num_layers)
         ]
         self.compiled: CompiledDecode | None = None
         self.graphs: GraphedDecode | None = None
-        self.fused: FusedStep | None = None  # one-token steps in one C call (`use_fused_step`)
+        self.fused: FusedStep | None = None  # decode steps in one C call (`use_fused_step`)
         # What `reload` prepares new weights like: the load's quantization, and where
         # converted GGUF checkpoints are cached (settings.cache_dir; "" = the default).
         self.quantization = "none"
@@ -132,6 +134,7 @@ class TorchModelRunner:
         are kept between starts, None = nowhere). `kv_cache_dtype`: see `resolve_kv_dtype`."""
         if num_threads:
             torch.set_num_threads(num_threads)
+        keep_builds_in(None if tuning_dir is None else tuning_dir / "kernels")
         if torch.device(device).type == "cpu" and not keep_freed_memory():
             logger.warning("not glibc: freed CPU memory may go back to the kernel each step")
         started = time.monotonic()
@@ -173,7 +176,7 @@ class TorchModelRunner:
         recall_or_time_kernels(self, tuning_dir)
         if torch_compile_max_bs:
             if tuning_dir:
-                use_inductor_cache(tuning_dir)
+                use_inductor_cache(tuning_dir / "inductor")
             logger.info("compiling decode steps of up to %d sequences", torch_compile_max_bs)
             self.compiled = CompiledDecode(self.model, torch_compile_max_bs)
             self.compiled.warm_up(self.forward, self.num_kv_blocks, self.block_size)
@@ -190,7 +193,7 @@ class TorchModelRunner:
         reload.py."""
         reload_runner(self, model_path, prepare_model)
         if self.fused is not None:  # it points at the weights it was built on
-            self.use_fused_step(True)
+            self.use_fused_step(self.fused.max_batch)
 
     def use_attention(self, choice: AttentionChoice) -> None:
         """The attention kernels `choose_attention` timed fastest on this CPU."""
@@ -202,10 +205,16 @@ class TorchModelRunner:
         self.paged_decodes = choice.paged_decodes
         self.matmul_prefill_max_context = choice.matmul_prefill_max_context
 
-    def use_fused_step(self, on: bool) -> None:
-        """One-token steps through the fused C step where it takes the model (fused_step.py),
-        or (off) through the torch forward."""
-        self.fused = FusedStep.of(self.model, self.kv_cache, self.block_size) if on else None
+    def use_fused_step(self, max_batch: int, built: FusedStep | None = None) -> None:
+        """Decode steps of up to `max_batch` sequences through the fused C step where it
+        takes the model (fused_step.py; `built`: one already made over this model), the
+        others (all with 0) through the torch forward."""
+        fused = built
+        if max_batch > 0 and fused is None:
+            fused = FusedStep.of(self.model, self.kv_cache, self.block_size, max_batch)
+        if fused is not None:
+            fused.max_batch = min(max_batch, fused.decoder.max_batch)
+        self.fused = fused if max_batch > 0 else None
 
     def graphed_decode(self, max_batch: int) -> GraphedDecode:
         """Decode steps of up to `max_batch` sequences over contexts up to the model's

@@ -12,7 +12,8 @@ key is another file: the scheduler times again and stores that too. A record tha
 fit the model (another set of kernels) is ignored and overwritten.
 
 Inductor's compiled graphs and C++ builds (`--enable-torch-compile`) go to
-`{cache_dir}/inductor`: Inductor's own cache, keyed by Inductor itself.
+`{cache_dir}/inductor`: Inductor's own cache, keyed by Inductor itself; the C kernels'
+builds to `{cache_dir}/kernels` (kernels/c_build.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from workers.scheduler.kernels.c_build import cpu_identity
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +52,6 @@ def tuning_key(model_path: str, settings: dict[str, Any]) -> dict[str, Any]:
         "code": _files_digest(_SOURCES, _SOURCE_GLOBS, content=True),
         **settings,
     }
-
-
-def cpu_identity() -> str:
-    """The CPU's model name and flags (the first processor's), and torch's ISA level."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if not line.strip():
-                break  # the first processor's block only
-            fields[name.strip()] = value.strip()
-    except OSError:
-        pass
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{fields.get('model name', '?')} | {fields.get('flags', '?')} | {capability}"
 
 
 def _files_digest(folder: Path, globs: tuple[str, ...], content: bool = False) -> str:
@@ -119,10 +107,3 @@ class TuningCache:
             tmp.replace(path)
         except OSError as e:
             logger.warning("could not store the kernel choices in %s: %r", path, e)
-
-
-def use_inductor_cache(cache_dir: Path) -> None:
-    """Points Inductor's on-disk cache (compiled graphs, C++ builds) at `cache_dir/inductor`.
-    Inductor takes its directory from the environment only, and torch already wrote its
-    default there on import, so this one is set, not defaulted."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")

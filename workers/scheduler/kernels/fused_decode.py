@@ -1,10 +1,11 @@
-"""One-token decode steps in one C call (fused_decode.c), for int4-quantized Llama-family
-models on CPUs with AVX512-VNNI.
+"""Decode steps (one new token for each of a batch of sequences) in one C call
+(fused_decode.c), for int4-quantized Llama-family models on CPUs with AVX512-VNNI.
 
-A torch forward of one token runs some 750 small ops for SmolLM2-135M, and their dispatch,
-not their arithmetic, is most of a single stream's step: the kernel runs the whole step
-(every layer, attention over the paged cache included) as loops in one OpenMP region. Its
-projections multiply the int4 groups (`Int4Tiles`, the same grid as the int4 kernel's) by
+A torch forward of a decode step runs some 750 small ops for SmolLM2-135M, and their
+dispatch, not their arithmetic, is most of a small batch's step: the kernel runs the whole
+step (every layer, attention over the paged cache included) as loops in one OpenMP region,
+reading each weight tile once for the whole batch. Its
+projections multiply the int4 groups (`Tiles`, the same grid as the int4 kernel's) by
 activations quantized to int8 per group of 32, as llama.cpp multiplies a Q4_1 file, and
 keep the residual stream, norms, rope and attention in fp32. Whether it serves is timed at
 load against the torch forward (engine/kernel_choices.py).
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from workers.scheduler.kernels.c_build import build_library
 
@@ -53,8 +55,14 @@ def build() -> ctypes.CDLL | None:
     lib.fused_available.restype = i32
     lib.fused_scratch_bytes.restype = ctypes.c_int64
     lib.fused_decode.restype = i32
+    lib.fused_scratch_bytes.argtypes = [pointer, i32]
+    lib.fused_linear_scratch_bytes.restype = ctypes.c_int64
+    lib.fused_linear_scratch_bytes.argtypes = [i32, i32]
+    lib.fused_linear.restype = i32
+    lib.fused_linear.argtypes = [pointer, pointer, pointer, i32, i32, i32, pointer, i32, i32]
+    lib.fused_linear.argtypes += [pointer, pointer]
     lib.fused_decode.argtypes = [pointer, pointer, pointer, i32, pointer, pointer, pointer]
-    lib.fused_decode.argtypes += [i32, i32, pointer, i32, pointer, i32, pointer]
+    lib.fused_decode.argtypes += [i32, pointer, pointer, pointer, i32, pointer, i32, pointer]
     return lib if lib.fused_available() else None
 
 
@@ -62,18 +70,25 @@ def available() -> bool:
     return build() is not None
 
 
+def _per_tile(values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
+    """[out, in / 32] -> fp16 [out / 16][in / 32][16]."""
+    return values.view(tiles, TILE, groups).transpose(1, 2).to(torch.float16).contiguous()
+
+
 @dataclass
-class Int4Tiles:
-    """A projection's int4 groups in the kernel's layout: w = scale * q + low per group of 32
-    inputs; tiles of 16 output rows, each 64-byte chunk 4 bytes of every row (8 inputs: the
-    low nibbles inputs 0-3, the high ones 4-7); scales and lows fp16 [out / 16][in / 32][16]."""
+class Tiles:
+    """A matrix's groups in the kernel's layout: w = scale * code + low per group of 32
+    inputs; tiles of 16 output rows, each 64-byte chunk 4 bytes of every row; scales and
+    lows fp16 [out / 16][in / 32][16]. int4 (`bits` 4): a chunk holds 8 inputs, the low
+    nibbles inputs 0-3 and the high ones 4-7. 8-bit: a chunk holds 4 inputs."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     lows: torch.Tensor
+    bits: int = 4
 
     @classmethod
-    def of(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Int4Tiles:
+    def int4(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Tiles:
         """From `q` [out, in] in 0..15 and `scale`, `low` [out, in / 32]."""
         out_features, in_features = q.shape
         tiles, groups = out_features // TILE, in_features // GROUP
@@ -81,11 +96,21 @@ class Int4Tiles:
         q = q.to(torch.uint8).view(tiles, TILE, groups, 4, 2, 4)
         packed = q[..., 0, :] | (q[..., 1, :] << 4)
         packed = packed.permute(0, 2, 3, 1, 4).contiguous()
+        return cls(packed, _per_tile(scale, tiles, groups), _per_tile(low, tiles, groups))
 
-        def per_tile(values: torch.Tensor) -> torch.Tensor:
-            return values.view(tiles, TILE, groups).transpose(1, 2).to(torch.float16).contiguous()
-
-        return cls(packed, per_tile(scale), per_tile(low))
+    @classmethod
+    def int8(cls, weight: torch.Tensor) -> Tiles:
+        """`weight` [out, in] in symmetric int8 per group of 32 (Q8_0's grid: w = scale * q,
+        q in -127..127, fp16 scales), stored as codes q + 128 with low -128 * scale."""
+        out_features, in_features = weight.shape
+        tiles, groups = out_features // TILE, in_features // GROUP
+        grouped = weight.detach().float().view(out_features, groups, GROUP)
+        scale = (grouped.abs().amax(-1) / 127).half().float().clamp(min=2**-24)
+        q = torch.round(grouped / scale.unsqueeze(-1)).clamp(-127, 127)
+        codes = (q + 128).to(torch.uint8).view(tiles, TILE, groups, 8, 4)
+        packed = codes.permute(0, 2, 3, 1, 4).contiguous()  # (tile, group, chunk, row, byte)
+        scales = _per_tile(scale, tiles, groups)
+        return cls(packed, scales, scales * -128, bits=8)
 
     def pointers(self) -> list[int]:
         return [self.packed.data_ptr(), self.scales.data_ptr(), self.lows.data_ptr()]
@@ -96,24 +121,25 @@ def tiles_fit(out_features: int, in_features: int) -> bool:
 
 
 class FusedDecoder:
-    """The fused step over a model's weights and KV cache: `layers` gives each layer's four
-    projections' `Int4Tiles` (qkv, o, gate_up, down) with its two norms' weights, `caches`
-    its K and V [kv_heads, slots, head_dim] (bf16 or fp32). The tensors it points at must
-    outlive it; it holds them."""
+    """The fused step over a model's weights and KV cache, for steps of up to `max_batch`
+    sequences: `layers` gives each layer's four projections' `Tiles` (qkv, o, gate_up,
+    down) with its two norms' weights, `caches` its K and V [kv_heads, slots, head_dim]
+    (bf16 or fp32). The tensors it points at must outlive it; it holds them."""
 
     def __init__(
         self,
         shape: Shape,
-        layers: list[tuple[list[Int4Tiles], torch.Tensor, torch.Tensor]],
+        layers: list[tuple[list[Tiles], torch.Tensor, torch.Tensor]],
         caches: list[tuple[torch.Tensor, torch.Tensor]],
         embed: torch.Tensor,
         final_norm: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         out_dtype: torch.dtype,
+        max_batch: int,
     ) -> None:
         lib = build()
         assert lib is not None
-        self.lib, self.shape, self.out_dtype = lib, shape, out_dtype
+        self.lib, self.shape, self.out_dtype, self.max_batch = lib, shape, out_dtype, max_batch
         self.embed = embed.contiguous()
         self.norms = [(a.float().contiguous(), b.float().contiguous()) for _, a, b in layers]
         self.final_norm = final_norm.float().contiguous()
@@ -128,16 +154,27 @@ class FusedDecoder:
         assert len(pointers) == LAYER_POINTERS * len(layers)
         self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
         self.caches = caches
-        self.scratch = torch.empty(lib.fused_scratch_bytes() + 64, dtype=torch.uint8)
+        scratch_bytes = lib.fused_scratch_bytes(ctypes.byref(shape), max_batch)
+        self.scratch = torch.empty(scratch_bytes + 64, dtype=torch.uint8)
 
-    def __call__(self, token: int, position: int, block_table: list[int]) -> torch.Tensor:
-        """The final normed hidden state [1, hidden] of `token` at `position` of a sequence
-        whose cache blocks are `block_table`; its K/V are written to the cache."""
-        if not (0 <= token < self.embed.shape[0] and 0 <= position < self.rope[0].shape[0]):
-            # The C side reads the tables unchecked; the torch forward raises here too.
-            raise IndexError(f"token {token} at position {position} is outside the model")
-        out = torch.empty(1, self.shape.hidden, dtype=self.out_dtype)
-        table = (ctypes.c_int32 * len(block_table))(*block_table)
+    def __call__(
+        self, tokens: list[int], positions: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        """The final normed hidden states [B, hidden] of `tokens`, each at its position of
+        a sequence whose cache blocks are its row of `block_tables`; their K/V are written
+        to the cache."""
+        batch = len(tokens)
+        if not 0 < batch <= self.max_batch:
+            raise ValueError(f"a step of {batch} sequences (this decoder takes 1-{self.max_batch})")
+        vocab, max_position = self.embed.shape[0], self.rope[0].shape[0]
+        for token, position in zip(tokens, positions, strict=True):
+            if not (0 <= token < vocab and 0 <= position < max_position):
+                # The C side reads the tables unchecked; the torch forward raises here too.
+                raise IndexError(f"token {token} at position {position} is outside the model")
+        out = torch.empty(batch, self.shape.hidden, dtype=self.out_dtype)
+        width = max(len(table) for table in block_tables)
+        rows = [table + [0] * (width - len(table)) for table in block_tables]
+        tables = (ctypes.c_int32 * (batch * width))(*(block for row in rows for block in row))
         scratch = -self.scratch.data_ptr() % 64 + self.scratch.data_ptr()
         failed = self.lib.fused_decode(
             self.pointers,
@@ -147,10 +184,11 @@ class FusedDecoder:
             self.final_norm.data_ptr(),
             self.rope[0].data_ptr(),
             self.rope[1].data_ptr(),
-            token,
-            position,
-            table,
-            len(block_table),
+            batch,
+            (ctypes.c_int32 * batch)(*tokens),
+            (ctypes.c_int32 * batch)(*positions),
+            tables,
+            width,
             out.data_ptr(),
             int(self.out_dtype == torch.bfloat16),
             scratch,
@@ -158,3 +196,59 @@ class FusedDecoder:
         if failed:
             raise RuntimeError(f"fused decode step failed ({failed})")
         return out
+
+
+class FusedLinear(nn.Module):
+    """x @ w.T through the step's tile products alone (`fused_linear`): w in `Tiles`, x
+    quantized to int8 per group of 32. Offered to the routes (layers/tiered.py) of the LM
+    head as 8-bit groups and of int4 projections as their int4 groups, where it is timed
+    against torch's kernels. Output in x's dtype (computed in fp32), no bias."""
+
+    def __init__(self, tiles: Tiles) -> None:
+        super().__init__()
+        self.tiles = tiles
+        tile_count, groups = tiles.scales.shape[:2]
+        self.out_features, self.in_features = tile_count * TILE, groups * GROUP
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype not in (torch.bfloat16, torch.float32):
+            rows = rows.float()
+        run = fused_linear_op if torch.compiler.is_compiling() else _run
+        tiles = self.tiles
+        out = run(rows.contiguous(), tiles.packed, tiles.scales, tiles.lows, tiles.bits)
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def _run(
+    rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """`FusedLinear`'s product of contiguous bf16 or fp32 `rows` [tokens, in], in fp32."""
+    out_features, in_features = scales.shape[0] * TILE, scales.shape[1] * GROUP
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    if rows.shape[0] == 0:
+        return out
+    lib = build()
+    assert lib is not None
+    scratch = torch.empty(
+        lib.fused_linear_scratch_bytes(in_features, rows.shape[0]) + 64, dtype=torch.uint8
+    )
+    failed = lib.fused_linear(
+        packed.data_ptr(), scales.data_ptr(), lows.data_ptr(), bits, out_features,
+        in_features, rows.data_ptr(), int(rows.dtype == torch.bfloat16), rows.shape[0],
+        out.data_ptr(), -scratch.data_ptr() % 64 + scratch.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise RuntimeError(f"fused linear failed ({failed})")
+    return out
+
+
+# Under `--enable-torch-compile`: one op of the graph (as w8a8.py's), not a break.
+fused_linear_op = torch.library.custom_op("redserve::fused_linear", _run, mutates_args=())
+
+
+@fused_linear_op.register_fake
+def _(
+    rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor, bits: int
+) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], scales.shape[0] * TILE, dtype=torch.float32)

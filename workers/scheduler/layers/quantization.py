@@ -55,11 +55,11 @@ class Int4Weights(nn.Module):
         packed, scales = int4_packed(q, scale, low)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
-        # The same groups in the fused one-token step's layout (kernels/fused_decode.py),
+        # The same groups in the fused decode step's layout (kernels/fused_decode.py),
         # where that kernel runs.
-        self.tiles: fused_decode.Int4Tiles | None = None
+        self.tiles: fused_decode.Tiles | None = None
         if fused_decode.available() and fused_decode.tiles_fit(*q.shape):
-            self.tiles = fused_decode.Int4Tiles.of(q, scale, low)
+            self.tiles = fused_decode.Tiles.int4(q, scale, low)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low = x.to(torch.bfloat16)
@@ -125,6 +125,11 @@ def quantize_model(
     assert isinstance(head, nn.Linear)
     if fits(head, bits=8) and (-1, "lm_head") not in keep_dense:
         head_kernels: dict[str, nn.Module] = {"int8": Int8Weights(head.weight)}
+        if fused_decode.available() and fused_decode.tiles_fit(*head.weight.shape):
+            # int8 groups x int8 activations (AVX512-VNNI): reads half of bf16's bytes
+            head_kernels["int8_vnni"] = fused_decode.FusedLinear(
+                fused_decode.Tiles.int8(head.weight)
+            )
         if input_max is not None:
             head_kernels["w8a8"] = w8a8_projection(head.weight, input_max[head])
         if int8_bf16_too:
@@ -139,7 +144,10 @@ def _decoder_kernels(
 ) -> dict[str, nn.Module]:
     """The compact kernels of decoder projection `name`: int4, and with `input_max`
     (w8a8_int8) W8A8, or for down_proj those that keep its activations in 16 bits."""
-    kernels: dict[str, nn.Module] = {"int4": Int4Weights(dense.weight)}
+    int4 = Int4Weights(dense.weight)
+    kernels: dict[str, nn.Module] = {"int4": int4}
+    if int4.tiles is not None:  # the same groups times int8 activations (AVX512-VNNI)
+        kernels["int4_vnni"] = fused_decode.FusedLinear(int4.tiles)
     if input_max is not None and name in DYNAMIC_INT8_PROJECTIONS:
         kernels["w8a8"] = w8a8_projection(dense.weight, input_max)
     elif input_max is not None:

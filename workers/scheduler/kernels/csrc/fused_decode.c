@@ -1,10 +1,10 @@
-/* A whole one-token decode step of a Llama-family model in one call (fused_decode.py): the
- * embedding row, then per layer rmsnorm, the qkv projection, rope, the K/V write into the
- * paged cache, paged attention (paged_decode.c's task), o_proj, the residual, rmsnorm,
- * gate_up, SiLU x up, down_proj and the residual; the final norm last. A torch forward of
- * one token runs ~25 ops a layer, each a dispatch that costs more than its arithmetic; here
- * they are plain loops inside one OpenMP region, the threads meeting at a barrier between
- * the phases.
+/* A whole decode step of a Llama-family model, one new token for each of B sequences, in one
+ * call (fused_decode.py): the embedding rows, then per layer rmsnorm, the qkv projection,
+ * rope, the K/V write into the paged cache, paged attention (paged_decode.c's task), o_proj,
+ * the residual, rmsnorm, gate_up, SiLU x up, down_proj and the residual; the final norm last.
+ * A torch forward of a decode step runs ~25 ops a layer, each a dispatch that costs more
+ * than its arithmetic at these sizes; here they are plain loops inside one OpenMP region,
+ * the threads meeting at a barrier between the phases.
  *
  * Projections: int4 weights with a scale and a minimum per group of 32 inputs (Q4_1's
  * layout: w = d * q + m, q in 0..15), in fp16, times activations quantized to int8 per group
@@ -12,7 +12,8 @@
  * AVX512-VNNI: sum(w * x) = d * dx * sum(q * qx) + m * sum(x), where sum(x) is that of the
  * quantized activations. Weights come in tiles of 16 output rows: a 64-byte chunk holds 4
  * bytes of each row, 8 inputs (low nibbles inputs 0-3, high 4-7), so one vpdpbusd takes
- * 16 rows x 4 inputs with the 4 activation bytes broadcast. Residual, norms, rope and
+ * 16 rows x 4 inputs with the 4 activation bytes broadcast. A tile's group is unpacked once
+ * for up to ROWS sequences, so a batch reads the weights once. Residual, norms, rope and
  * attention stay fp32; K and V are stored in the cache's dtype.
  *
  * Built with AVX512-F/VNNI only; elsewhere `fused_available` says 0 and the torch forward
@@ -27,72 +28,167 @@
 
 int fused_available(void) { return FUSED; }
 
-#if FUSED
+typedef struct {
+    int layers, hidden, inter, heads, kv_heads, head_dim, block_size, kv_bf16;
+    int64_t slots;
+    float eps;
+} Shape;
+
 #define GROUP 32
 #define TILE 16
-#define MAX_DIM 16384
+#define ROWS 8 /* sequences per pass over a tile's weights */
 
+/* One step's activations for B sequences, carved out of the caller's scratch. */
 typedef struct {
-    const uint8_t *packed;  /* [n / 16][k / 32][4 chunks][16 rows][4 bytes] */
+    float *x, *normed, *qkv, *attended, *gate_up; /* [B][hidden | qkv | H * D | 2 * inter] */
+    int8_t *q;                                    /* [B][widest input]: int8 activations */
+    float *scale, *sum; /* [B][widest input / 32]: dx and dx * sum(q) per group */
+    int32_t *lens;      /* [B] */
+    int widest;
+} Scratch;
+
+static size_t aligned(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+
+static int widest_input(const Shape *s) {
+    int q_size = s->heads * s->head_dim, widest = s->hidden > s->inter ? s->hidden : s->inter;
+    return widest > q_size ? widest : q_size;
+}
+
+/* Lays the scratch out at `base` (64-aligned), or with base NULL only sizes it. */
+static size_t carve(const Shape *s, int B, char *base, Scratch *w) {
+    int qkv = (s->heads + 2 * s->kv_heads) * s->head_dim, widest = widest_input(s);
+    size_t sizes[] = {
+        sizeof(float) * s->hidden,     sizeof(float) * s->hidden, sizeof(float) * qkv,
+        sizeof(float) * s->heads * s->head_dim, sizeof(float) * 2 * s->inter, (size_t)widest,
+        sizeof(float) * (widest / GROUP), sizeof(float) * (widest / GROUP), sizeof(int32_t),
+    };
+    void **slots[] = {(void **)&w->x, (void **)&w->normed, (void **)&w->qkv,
+                      (void **)&w->attended, (void **)&w->gate_up, (void **)&w->q,
+                      (void **)&w->scale, (void **)&w->sum, (void **)&w->lens};
+    size_t offset = 0;
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+        if (base != NULL) *slots[i] = base + offset;
+        offset += aligned(sizes[i] * (size_t)B);
+    }
+    w->widest = widest;
+    return offset;
+}
+
+/* Bytes of scratch a step of up to `B` sequences needs. */
+int64_t fused_scratch_bytes(const Shape *shape, int B) {
+    Scratch w;
+    return (int64_t)carve(shape, B, NULL, &w);
+}
+
+#if FUSED
+typedef struct {
+    const uint8_t *packed;  /* [n / 16][k / 32][4 (int4) or 8 (8-bit) chunks][16 rows][4 bytes] */
     const uint16_t *scales; /* fp16 [n / 16][k / 32][16] */
     const uint16_t *mins;   /* fp16 [n / 16][k / 32][16] */
-} Int4Matrix;
-
-typedef struct { /* a vector quantized to int8 per group of 32 */
-    int8_t q[MAX_DIM];
-    float scale[MAX_DIM / GROUP]; /* dx */
-    float sum[MAX_DIM / GROUP];   /* dx * sum(q): the group's sum as quantized */
-} QuantizedVector;
+    int bits;               /* 4: a byte holds two inputs' codes; 8: one */
+} Codes;
 
 /* Per layer, in this order (fused_decode.py's LAYER_POINTERS). */
 enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 enum { INPUT_NORM = 3 * PROJECTIONS, POST_NORM, K_CACHE, V_CACHE, LAYER_POINTERS };
 
-static void quantize(const float *x, int k, QuantizedVector *out) {
+/* Row b of x [B][k] (k floats apart) into int8 groups of 32: w->q, w->scale, w->sum. */
+static void quantize_row(const float *x, int k, Scratch *w, int b) {
+    int8_t *q = w->q + (size_t)b * w->widest;
+    float *scale = w->scale + (size_t)b * (w->widest / GROUP);
+    float *sum = w->sum + (size_t)b * (w->widest / GROUP);
     for (int g = 0; g < k / GROUP; g++) {
         const float *xg = x + g * GROUP;
         float top = 0.f;
         for (int j = 0; j < GROUP; j++) top = fmaxf(top, fabsf(xg[j]));
         float dx = top / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
-        int sum = 0;
+        int total = 0;
         for (int j = 0; j < GROUP; j++) {
-            int q = (int)lrintf(xg[j] * inv);
-            out->q[g * GROUP + j] = (int8_t)q;
-            sum += q;
+            int v = (int)lrintf(xg[j] * inv);
+            q[g * GROUP + j] = (int8_t)v;
+            total += v;
         }
-        out->scale[g] = dx;
-        out->sum[g] = dx * (float)sum;
+        scale[g] = dx;
+        sum[g] = dx * (float)total;
     }
 }
 
-/* y[0..n) = W x for W an n x k Int4Matrix; the tiles shared out among the threads. */
-static void gemv_int4(Int4Matrix w, const QuantizedVector *x, int n, int k, float *y) {
-    const int groups = k / GROUP;
+/* y[b][t * 16 .. +16) for rows `first`..`first + R` of the batch: one tile's groups,
+ * unpacked once for all R rows. R and bits are constants in each inlined copy, so the
+ * accumulators stay in registers. An 8-bit group is 8 chunks of 4 inputs; an int4 one is 4
+ * chunks, each byte's low nibble one input and its high nibble the input 4 on. */
+INLINE void tile_rows(const uint8_t *p, const uint16_t *scales, const uint16_t *mins,
+                      const Scratch *w, int first, int R, int bits, int groups, float *y, int n,
+                      int t) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const int per_row = w->widest / GROUP;
+    __m512 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512i codes[8]; /* codes[j]: inputs 4j..4j+3 of each of the 16 rows */
+        for (int c = 0; c < 4; c++) {
+            if (bits == 8) {
+                codes[2 * c] = _mm512_loadu_si512(p + (size_t)(g * 8 + 2 * c) * 64);
+                codes[2 * c + 1] = _mm512_loadu_si512(p + (size_t)(g * 8 + 2 * c + 1) * 64);
+            } else {
+                __m512i bytes = _mm512_loadu_si512(p + (size_t)(g * 4 + c) * 64);
+                codes[2 * c] = _mm512_and_si512(bytes, nibble);
+                codes[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+            }
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * TILE)));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * TILE)));
+        for (int r = 0; r < R; r++) {
+            int b = first + r;
+            const int32_t *xq = (const int32_t *)(w->q + (size_t)b * w->widest + g * GROUP);
+            __m512i dot = _mm512_setzero_si512();
+            if (R == 1) { /* one chain: a lone row's step is bound by reading the weights */
+                for (int j = 0; j < 8; j++)
+                    dot = _mm512_dpbusd_epi32(dot, codes[j], _mm512_set1_epi32(xq[j]));
+            } else { /* two chains of 4 (each vpdpbusd waits on the last): ~5% faster here */
+                __m512i odd = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j += 2) {
+                    dot = _mm512_dpbusd_epi32(dot, codes[j], _mm512_set1_epi32(xq[j]));
+                    odd = _mm512_dpbusd_epi32(odd, codes[j + 1], _mm512_set1_epi32(xq[j + 1]));
+                }
+                dot = _mm512_add_epi32(dot, odd);
+            }
+            float dx = w->scale[(size_t)b * per_row + g], sx = w->sum[(size_t)b * per_row + g];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)(first + r) * n + t * TILE, acc[r]);
+}
+
+INLINE void tiles_of(Codes w, const Scratch *x, int B, int n, int bits, int groups,
+                     float *y) {
+    const size_t tile_bytes = (size_t)groups * GROUP * TILE * bits / 8;
 #pragma omp for schedule(static)
     for (int t = 0; t < n / TILE; t++) {
-        const uint8_t *p = w.packed + (size_t)t * groups * GROUP * TILE / 2;
+        const uint8_t *p = w.packed + (size_t)t * tile_bytes;
         const uint16_t *scales = w.scales + (size_t)t * groups * TILE;
         const uint16_t *mins = w.mins + (size_t)t * groups * TILE;
-        __m512 acc = _mm512_setzero_ps();
-        for (int g = 0; g < groups; g++) {
-            const int32_t *xq = (const int32_t *)(x->q + g * GROUP);
-            __m512i dot = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++) {
-                __m512i bytes = _mm512_loadu_si512(p + (size_t)(g * 4 + c) * 64);
-                __m512i low = _mm512_and_si512(bytes, nibble);
-                __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-                dot = _mm512_dpbusd_epi32(dot, low, _mm512_set1_epi32(xq[2 * c]));
-                dot = _mm512_dpbusd_epi32(dot, high, _mm512_set1_epi32(xq[2 * c + 1]));
+        for (int first = 0; first < B; first += ROWS) {
+            switch (B - first < ROWS ? B - first : ROWS) {
+#define ROWS_CASE(R) \
+    case R: tile_rows(p, scales, mins, x, first, R, bits, groups, y, n, t); break;
+                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
             }
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * TILE)));
-            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * TILE)));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                  _mm512_mul_ps(d, _mm512_set1_ps(x->scale[g])), acc);
-            acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x->sum[g]), acc);
         }
-        _mm512_storeu_ps(y + t * TILE, acc);
     }
+}
+
+/* y [B][n] = x W^T for W an n x k matrix of int4 or 8-bit codes and x the B quantized rows;
+ * the tiles shared out among the threads. */
+static void gemm(Codes w, const Scratch *x, int B, int n, int k, float *y) {
+    if (w.bits == 8)
+        tiles_of(w, x, B, n, 8, k / GROUP, y);
+    else
+        tiles_of(w, x, B, n, 4, k / GROUP, y);
 }
 
 static void rms_norm(const float *x, const float *weight, int n, float eps, float *out) {
@@ -123,121 +219,185 @@ static void store_rows(const float *x, int heads, int D, void *cache, int64_t sl
         }
 }
 
-typedef struct {
-    int layers, hidden, inter, heads, kv_heads, head_dim, block_size, kv_bf16;
-    int64_t slots;
-    float eps;
-} Shape;
+static Codes matrix(const void *const *layer, int which) {
+    return (Codes){layer[3 * which], layer[3 * which + 1], layer[3 * which + 2], 4};
+}
 
-typedef struct { /* one step's activations */
-    float x[MAX_DIM], normed[MAX_DIM], qkv[MAX_DIM], attended[MAX_DIM], gate_up[2 * MAX_DIM];
-    QuantizedVector quantized;
-} Scratch;
+typedef struct { /* one step's sequences */
+    int B, max_blocks;
+    const int32_t *positions, *tables; /* [B], [B][max_blocks] */
+    const float *cos, *sin;            /* rope tables [positions][D] */
+} Step;
 
-static Int4Matrix matrix(const void *const *layer, int which) {
-    return (Int4Matrix){layer[3 * which], layer[3 * which + 1], layer[3 * which + 2]};
+/* Each row's rmsnorm of w->x into w->normed, quantized. */
+static void norm_rows(const Shape *s, Scratch *w, const float *weight, int B) {
+#pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) {
+        float *normed = w->normed + (size_t)b * s->hidden;
+        rms_norm(w->x + (size_t)b * s->hidden, weight, s->hidden, s->eps, normed);
+        quantize_row(normed, s->hidden, w, b);
+    }
+}
+
+/* w->x += w->normed, row by row. */
+static void add_rows(const Shape *s, Scratch *w, int B) {
+#pragma omp for schedule(static)
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < s->hidden; i++)
+            w->x[(size_t)b * s->hidden + i] += w->normed[(size_t)b * s->hidden + i];
+}
+
+/* Rope on each row's q and k; its K/V into the cache at its position's slot. */
+static void rope_and_store(const void *const *layer, const Shape *s, Scratch *w, const Step *t) {
+    const int H = s->heads, KVH = s->kv_heads, D = s->head_dim, q_size = H * D;
+    const int width = (H + 2 * KVH) * D;
+#pragma omp for schedule(static)
+    for (int b = 0; b < t->B; b++) {
+        float *row = w->qkv + (size_t)b * width;
+        int pos = t->positions[b];
+        rope(row, H + KVH, D, t->cos + (size_t)pos * D, t->sin + (size_t)pos * D);
+        int64_t block = t->tables[(size_t)b * t->max_blocks + pos / s->block_size];
+        int64_t slot = block * s->block_size + pos % s->block_size;
+        store_rows(row + q_size, KVH, D, (void *)layer[K_CACHE], s->slots, slot, s->kv_bf16);
+        store_rows(row + q_size + KVH * D, KVH, D, (void *)layer[V_CACHE], s->slots, slot,
+                   s->kv_bf16);
+    }
 }
 
 /* One layer; called by every thread of the region. 0, or 1 if this thread's attention ran
  * out of memory (the region ORs them). */
-static int layer_step(const void *const *layer, const Shape *s, Scratch *w, const float *cos,
-                      const float *sin, const int32_t *table, int blocks, int pos) {
-    const int H = s->heads, KVH = s->kv_heads, D = s->head_dim, q_size = H * D;
-    int failed = 0, len = pos + 1;
-#pragma omp single
-    {
-        rms_norm(w->x, layer[INPUT_NORM], s->hidden, s->eps, w->normed);
-        quantize(w->normed, s->hidden, &w->quantized);
-    }
-    gemv_int4(matrix(layer, QKV), &w->quantized, q_size + 2 * KVH * D, s->hidden, w->qkv);
-#pragma omp single
-    {
-        rope(w->qkv, H + KVH, D, cos, sin);
-        int64_t slot = (int64_t)table[pos / s->block_size] * s->block_size + pos % s->block_size;
-        store_rows(w->qkv + q_size, KVH, D, (void *)layer[K_CACHE], s->slots, slot, s->kv_bf16);
-        store_rows(w->qkv + q_size + KVH * D, KVH, D, (void *)layer[V_CACHE], s->slots, slot,
-                   s->kv_bf16);
-    }
+static int layer_step(const void *const *layer, const Shape *s, Scratch *w, const Step *t) {
+    const int H = s->heads, KVH = s->kv_heads, D = s->head_dim, q_size = H * D, B = t->B;
+    const int width = (H + 2 * KVH) * D;
+    int failed = 0;
+    norm_rows(s, w, layer[INPUT_NORM], B);
+    gemm(matrix(layer, QKV), w, B, width, s->hidden, w->qkv);
+    rope_and_store(layer, s, w, t);
     float scale = 1.f / sqrtf((float)D);
-#pragma omp for schedule(static)
-    for (int h = 0; h < KVH; h++)
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < B * KVH; task++)
         failed |= s->kv_bf16
-            ? decode_task(0, h, w->qkv, q_size, layer[K_CACHE], layer[V_CACHE], w->attended,
-                          table, blocks, &len, H, KVH, D, s->slots, s->block_size, scale, 0, 1)
-            : decode_task(0, h, w->qkv, q_size, layer[K_CACHE], layer[V_CACHE], w->attended,
-                          table, blocks, &len, H, KVH, D, s->slots, s->block_size, scale, 0, 0);
-#pragma omp single
-    quantize(w->attended, q_size, &w->quantized);
-    gemv_int4(matrix(layer, O), &w->quantized, s->hidden, q_size, w->normed);
-#pragma omp single
-    {
-        for (int i = 0; i < s->hidden; i++) w->x[i] += w->normed[i];
-        rms_norm(w->x, layer[POST_NORM], s->hidden, s->eps, w->normed);
-        quantize(w->normed, s->hidden, &w->quantized);
+            ? decode_task(task / KVH, task % KVH, w->qkv, width, layer[K_CACHE],
+                          layer[V_CACHE], w->attended, t->tables, t->max_blocks, w->lens, H,
+                          KVH, D, s->slots, s->block_size, scale, 0, 1)
+            : decode_task(task / KVH, task % KVH, w->qkv, width, layer[K_CACHE],
+                          layer[V_CACHE], w->attended, t->tables, t->max_blocks, w->lens, H,
+                          KVH, D, s->slots, s->block_size, scale, 0, 0);
+#pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) quantize_row(w->attended + (size_t)b * q_size, q_size, w, b);
+    gemm(matrix(layer, O), w, B, s->hidden, q_size, w->normed);
+    add_rows(s, w, B);
+    norm_rows(s, w, layer[POST_NORM], B);
+    gemm(matrix(layer, GATE_UP), w, B, 2 * s->inter, s->hidden, w->gate_up);
+#pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) {
+        float *gate = w->gate_up + (size_t)b * 2 * s->inter, *up = gate + s->inter;
+        for (int i = 0; i < s->inter; i++) gate[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+        quantize_row(gate, s->inter, w, b);
     }
-    gemv_int4(matrix(layer, GATE_UP), &w->quantized, 2 * s->inter, s->hidden, w->gate_up);
-#pragma omp single
-    {
-        for (int i = 0; i < s->inter; i++) {
-            float gate = w->gate_up[i];
-            w->gate_up[i] = gate / (1.f + expf(-gate)) * w->gate_up[s->inter + i];
-        }
-        quantize(w->gate_up, s->inter, &w->quantized);
-    }
-    gemv_int4(matrix(layer, DOWN), &w->quantized, s->hidden, s->inter, w->normed);
-#pragma omp single
-    for (int i = 0; i < s->hidden; i++) w->x[i] += w->normed[i];
+    gemm(matrix(layer, DOWN), w, B, s->hidden, s->inter, w->normed);
+    add_rows(s, w, B);
     return failed;
 }
-#endif
 
-int64_t fused_scratch_bytes(void) {
-#if FUSED
-    return (int64_t)sizeof(Scratch);
-#else
+static int bad_step(const Shape *s, const Step *t, const int32_t *lens) {
+    int H = s->heads, KVH = s->kv_heads, D = s->head_dim;
+    if (t->B < 1 || D % 2 || bad_shape(lens, t->B, H, KVH, D)) return 1;
+    for (int b = 0; b < t->B; b++)
+        if (t->positions[b] / s->block_size >= t->max_blocks) return 1;
     return 0;
-#endif
 }
+#endif
 
-/* The final normed hidden state of token `token` at position `pos` of a sequence whose
- * cache blocks are `table` [blocks], written to `out` [hidden] (bf16 if out_bf16, else
- * fp32); its K/V land in the cache. `layers` holds LAYER_POINTERS per layer; `embed` is
- * the bf16 or fp32 embedding table (embed_bf16); rope tables fp32 [positions, D].
- * `scratch`: fused_scratch_bytes() bytes, 64-aligned, used by one call at a time.
- * Returns 0, -1 for shapes it does not take (or no AVX512-VNNI), -2 when out of memory. */
+/* The final normed hidden states of `tokens` [B], each at its position `positions` [B] of a
+ * sequence whose cache blocks are row b of `tables` [B][max_blocks], written to `out`
+ * [B][hidden] (bf16 if out_bf16, else fp32); their K/V land in the cache. `layers` holds
+ * LAYER_POINTERS per layer; `embed` is the bf16 or fp32 embedding table (embed_bf16); rope
+ * tables fp32 [positions, D]. `scratch`: fused_scratch_bytes(shape, B) bytes or more,
+ * 64-aligned, used by one call at a time. Returns 0, -1 for shapes it does not take (or no
+ * AVX512-VNNI), -2 when out of memory. */
 int fused_decode(const void *const *layers, const Shape *shape, const void *embed, int embed_bf16,
-                 const float *final_norm, const float *rope_cos, const float *rope_sin,
-                 int token, int pos, const int32_t *table, int blocks, void *out, int out_bf16,
-                 void *scratch) {
+                 const float *final_norm, const float *rope_cos, const float *rope_sin, int B,
+                 const int32_t *tokens, const int32_t *positions, const int32_t *tables,
+                 int max_blocks, void *out, int out_bf16, void *scratch) {
 #if FUSED
     const Shape *s = shape;
-    int H = s->heads, KVH = s->kv_heads, D = s->head_dim;
-    if (s->hidden > MAX_DIM || s->inter > MAX_DIM || (H + 2 * KVH) * D > MAX_DIM ||
-        bad_shape(&(int){pos + 1}, 1, H, KVH, D) || D % 2 || pos / s->block_size >= blocks)
-        return -1;
-    Scratch *w = scratch;
-    for (int i = 0; i < s->hidden; i++)
-        w->x[i] = embed_bf16 ? bf16_to_float(((const uint16_t *)embed)[(size_t)token * s->hidden + i])
-                             : ((const float *)embed)[(size_t)token * s->hidden + i];
-    const float *cos = rope_cos + (size_t)pos * D, *sin = rope_sin + (size_t)pos * D;
+    Scratch w;
+    carve(s, B, scratch, &w);
+    Step step = {B, max_blocks, positions, tables, rope_cos, rope_sin};
+    for (int b = 0; b < B; b++) w.lens[b] = positions[b] + 1;
+    if (bad_step(s, &step, w.lens)) return -1;
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < s->hidden; i++) {
+            size_t from = (size_t)tokens[b] * s->hidden + i;
+            w.x[(size_t)b * s->hidden + i] = embed_bf16
+                ? bf16_to_float(((const uint16_t *)embed)[from])
+                : ((const float *)embed)[from];
+        }
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     for (int l = 0; l < s->layers; l++)
-        failed |= layer_step(layers + (size_t)l * LAYER_POINTERS, s, w, cos, sin, table, blocks, pos);
-    if (!failed) {
-        rms_norm(w->x, final_norm, s->hidden, s->eps, w->normed);
+        failed |= layer_step(layers + (size_t)l * LAYER_POINTERS, s, &w, &step);
+    if (failed) return -2;
+    for (int b = 0; b < B; b++) {
+        float *normed = w.normed + (size_t)b * s->hidden;
+        rms_norm(w.x + (size_t)b * s->hidden, final_norm, s->hidden, s->eps, normed);
         for (int i = 0; i < s->hidden; i++) {
+            size_t to = (size_t)b * s->hidden + i;
             if (out_bf16)
-                ((uint16_t *)out)[i] = float_to_bf16(w->normed[i]);
+                ((uint16_t *)out)[to] = float_to_bf16(normed[i]);
             else
-                ((float *)out)[i] = w->normed[i];
+                ((float *)out)[to] = normed[i];
         }
     }
-    return failed ? -2 : 0;
+    return 0;
 #else
     (void)layers, (void)shape, (void)embed, (void)embed_bf16, (void)final_norm, (void)rope_cos;
-    (void)rope_sin, (void)token, (void)pos, (void)table, (void)blocks, (void)out, (void)out_bf16;
-    (void)scratch;
+    (void)rope_sin, (void)B, (void)tokens, (void)positions, (void)tables, (void)max_blocks;
+    (void)out, (void)out_bf16, (void)scratch;
+    return -1;
+#endif
+}
+
+/* y [B][n] (fp32) = x W^T for `x` [B][k] (bf16 if x_bf16, else fp32) and W an n x k matrix in
+ * the tiles' layout: `bits` 8 (codes u in 0..255: w = scale * u + min, so a signed int8
+ * weight q with its scale is u = q + 128 and min = -128 * scale) or 4. x is quantized to
+ * int8 per group of 32 as in the step. `scratch`: fused_linear_scratch_bytes(k, B) bytes,
+ * 64-aligned. Returns 0, or -1 for shapes it does not take (or no AVX512-VNNI). */
+int64_t fused_linear_scratch_bytes(int k, int B) {
+    Shape s = {0};
+    s.hidden = s.inter = k;
+    s.heads = s.kv_heads = s.head_dim = 1;
+    Scratch w;
+    return (int64_t)carve(&s, B, NULL, &w);
+}
+
+int fused_linear(const uint8_t *packed, const uint16_t *scales, const uint16_t *mins, int bits,
+                 int n, int k, const void *x, int x_bf16, int B, float *y, void *scratch) {
+#if FUSED
+    if (B < 1 || n % TILE || k % GROUP || (bits != 4 && bits != 8)) return -1;
+    Shape s = {0};
+    s.hidden = s.inter = k;
+    s.heads = s.kv_heads = s.head_dim = 1;
+    Scratch w;
+    carve(&s, B, scratch, &w);
+    Codes weights = {packed, scales, mins, bits};
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int b = 0; b < B; b++) {
+            float *row = w.normed + (size_t)b * k;
+            for (int i = 0; i < k; i++)
+                row[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[(size_t)b * k + i])
+                                : ((const float *)x)[(size_t)b * k + i];
+            quantize_row(row, k, &w, b);
+        }
+        gemm(weights, &w, B, n, k, y);
+    }
+    return 0;
+#else
+    (void)packed, (void)scales, (void)mins, (void)bits, (void)n, (void)k, (void)x, (void)x_bf16;
+    (void)B, (void)y, (void)scratch;
     return -1;
 #endif
 }
