@@ -5,7 +5,7 @@
 - the orphan reaper (api.orphans) every ORPHAN_SCAN_S;
 - the soft watchdog (api.soft_watchdog): requests with no output for a while are logged;
 - Redis outages: when Redis (the beat, or the result subscription) has been unreachable for
-  REDIS_OUTAGE_S, every request in flight here ends with a 503 rather than hang; when it is
+  `api.redis_outage_s`, every request in flight here ends with a 503 rather than hang; when it is
   back, the live requests ask for a resend of what they missed, and aborts that could not
   be written meanwhile are written."""
 
@@ -30,7 +30,6 @@ from shared.keys import HEARTBEAT_EVERY_S
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.5
-REDIS_OUTAGE_S = 5.0
 
 
 class Host(Core, Protocol):
@@ -126,7 +125,7 @@ class Maintenance:
         tm = self.tm
         down = self.down_for()
         rids = [rid for rid, s in tm.rid_to_state.items() if not s.released]
-        if down < REDIS_OUTAGE_S or not rids:
+        if down < tm.settings.api.redis_outage_s or not rids:
             return
         logger.error("Redis unreachable for %.1fs: failing %d requests", down, len(rids))
         tm.aborts.pending.update(rids)

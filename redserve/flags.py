@@ -140,6 +140,12 @@ FLAGS: tuple[Flag, ...] = (
         float,
     ),
     Flag(
+        "--redis-outage-s",
+        "api.redis_outage_s",
+        "requests in flight end with a 503 once Redis is unreachable this long",
+        float,
+    ),
+    Flag(
         "--health-generate-timeout-s",
         "api.health_generate_timeout_s",
         "/health_generate answers 503 when its one-token request takes longer",

@@ -71,6 +71,9 @@ class ApiSettings(_Checked):
     # long is logged with its rid, age, tokens so far and where it waits, once per period. Log
     # only. 0 = off.
     soft_watchdog_s: float = Field(default=300.0, ge=0)
+    # Redis unreachable this long (the beat or the result subscription): every request in
+    # flight on this replica ends with a 503 rather than hang. A shorter outage is ridden out.
+    redis_outage_s: float = Field(default=5.0, gt=0)
     # /health_generate answers 503 when its one-token request through the fleet takes longer
     # (SGLang's HEALTH_CHECK_TIMEOUT).
     health_generate_timeout_s: float = Field(default=20.0, gt=0)

@@ -17,7 +17,7 @@ from typing import Any
 import hiredis
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection
 from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, TryAgainError
 
@@ -34,11 +34,39 @@ CLUSTER_TRANSIENT: tuple[type[Exception], ...] = (
 )
 
 
+class ReseedingCluster(RedisCluster):
+    """redis-py's asyncio cluster client, which never runs out of nodes to ask for the topology.
+
+    redis-py 5 drops a node from its startup nodes on each connection error and then closes
+    every connection it holds, so the commands in flight on the live nodes fail and drop
+    theirs too: once none is left it can never find the cluster again, even after the dead
+    node is back ("Please provide at least one reachable node: None"). This client puts back
+    every node it has known before each topology refresh; live ones stay first."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.known_nodes = {
+            n.name: (n.host, n.port) for n in self.nodes_manager.startup_nodes.values()
+        }
+
+    async def initialize(self) -> RedisCluster:
+        manager = self.nodes_manager
+        if self._initialize:
+            for name, (host, port) in self.known_nodes.items():
+                if name not in manager.startup_nodes:
+                    manager.startup_nodes[name] = ClusterNode(
+                        host, port, **manager.connection_kwargs
+                    )
+        await super().initialize()
+        self.known_nodes.update((n.name, (n.host, n.port)) for n in manager.startup_nodes.values())
+        return self
+
+
 def connect(url: str, cluster: bool = False) -> aioredis.Redis:
     """An asyncio client (bytes in, bytes out); with `cluster`, a Redis Cluster client that
     finds every node from `url`'s. Does no I/O until first used."""
     if cluster:
-        return RedisCluster.from_url(
+        return ReseedingCluster.from_url(  # type: ignore[return-value]
             url, decode_responses=False, connection_class=with_hiredis_packing(Connection)
         )
     pool = aioredis.ConnectionPool.from_url(url, decode_responses=False, health_check_interval=30)
