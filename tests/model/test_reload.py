@@ -19,7 +19,9 @@ from tests.support.models import SMALL, random_hf_model
 from tests.support.routing import route_every_size
 from workers.scheduler.engine.model_runner import TorchModelRunner
 from workers.scheduler.engine.reload import ReloadError
+from workers.scheduler.layers.attention_tuning import AttentionChoice
 from workers.scheduler.layers.tiered import TieredLinear
+from workers.scheduler.model.llama import Attention
 
 NUM_KV_BLOCKS = 16
 PROMPTS = [[5, 9, 2, 7, 11, 3, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]]
@@ -55,6 +57,13 @@ def _greedy(runner: TorchModelRunner) -> list[list[int]]:
     return [seq.output_ids for seq in seqs]
 
 
+def _attention_choice(runner: TorchModelRunner) -> AttentionChoice:
+    """The attention kernels `runner` took at load (timed: another load may take others)."""
+    attention = next(m for m in runner.model.modules() if isinstance(m, Attention))
+    return AttentionChoice(attention.upcast_sdpa, runner.matmul_decodes, runner.paged_decodes,
+                           runner.matmul_prefill_max_context)  # fmt: skip
+
+
 def _cache_addresses(runner: TorchModelRunner) -> list[int]:
     return [t.data_ptr() for layer in runner.kv_cache for t in layer]
 
@@ -69,6 +78,7 @@ def test_reload_serves_the_new_checkpoint_on_the_same_cache(
     before, cache = _greedy(runner), _cache_addresses(runner)
     weight = runner.model.embed_tokens.weight
     fresh = TorchModelRunner.load(str(folders["second"]), NUM_KV_BLOCKS, BLOCK_SIZE, dtype)
+    fresh.use_attention(_attention_choice(runner))  # timed apart: either may win in bf16
     runner.reload(str(folders["second"]))
     after = _greedy(runner)
     assert after == _greedy(fresh)
