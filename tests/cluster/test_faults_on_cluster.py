@@ -120,14 +120,16 @@ def test_a_killed_api_replica_s_stream_is_reattached_on_the_other(stack: Fleet) 
     stream, events = stream_until(stack.url(), {**body, "rid": rid}, 5)
     seen = len(events)
     stack.kill("api")
-    stream_rid_events = _reattach(stack.url("api-b"), rid, seen - 1)
+    try:
+        stream_rid_events = _reattach(stack.url("api-b"), rid, seen - 1)
 
-    assert text_of(events + stream_rid_events) == reference
-    assert finishes(stream_rid_events) == ["length"]
-    state = stack.redis().hgetall(stack.keys.state(rid))
-    assert state["status"] == "finished" and state["api_id"] == "api-b"
-    assert_invariants(stack)
-    stack.start("api", "api", env=RIDE_OUT)
+        assert text_of(events + stream_rid_events) == reference, stack.logs()
+        assert finishes(stream_rid_events) == ["length"], stack.logs()
+        state = stack.redis().hgetall(stack.keys.state(rid))
+        assert state["status"] == "finished" and state["api_id"] == "api-b"
+        assert_invariants(stack)
+    finally:
+        stack.start("api", "api", env=RIDE_OUT)  # the next cases stream through it
 
 
 def test_a_frozen_scheduler_that_wakes_up_publishes_nothing_for_the_request_it_lost(
