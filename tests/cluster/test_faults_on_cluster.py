@@ -110,10 +110,12 @@ def test_a_killed_detokenizer_s_shard_moves_and_the_text_is_whole(stack: Fleet, 
     assert text_of(events) == reference
     assert finishes(events) == ["length"]
     assert_invariants(stack, tap)
+    restarted_at = time.time()
     stack.start(holder, "detokenizer")
     # Until a lease lapses and is rescued, the dead holder's shard reaches nobody (the api
-    # refills its requests from the id log after a stall): the next case needs it served.
-    _wait_until_every_shard_is_served(stack)
+    # refills its requests from the id log after a stall), and a rebalance moves one: the
+    # next case needs each shard served by one detokenizer, for good.
+    _wait_until_the_shards_are_balanced(stack, restarted_at)
 
 
 def test_a_killed_api_replica_s_stream_is_reattached_on_the_other(stack: Fleet) -> None:
@@ -257,12 +259,22 @@ def _nothing_running(stack: Fleet, timeout_s: float = 10) -> bool:
     return False
 
 
-def _wait_until_every_shard_is_served(stack: Fleet, timeout_s: float = 30.0) -> None:
+def _wait_until_the_shards_are_balanced(
+    stack: Fleet, since: float, timeout_s: float = 30.0
+) -> None:
+    """Until each detokenizer's beat, written after `since`, names one shard it serves
+    (beats list what the last tick subscribed to)."""
     r, deadline = stack.redis(), time.monotonic() + timeout_s
-    leases = [stack.keys.shard_lease(shard) for shard in range(TOKEN_SHARDS)]
-    while not all(r.get(lease) for lease in leases):
-        assert time.monotonic() < deadline, f"a token shard has no detokenizer\n{stack.logs()}"
-        time.sleep(0.1)
+    while True:
+        served = []
+        for name in ("detok-a", "detok-b"):
+            beat = r.hgetall(stack.keys.heartbeat("detokenizer", name))
+            if beat and float(beat["updated_at"]) > since:
+                served.append(sorted(int(s) for s in beat["shards"].split(",") if s))
+        if sorted(served) == [[shard] for shard in range(TOKEN_SHARDS)]:
+            return
+        assert time.monotonic() < deadline, f"shards served: {served}\n{stack.logs()}"
+        time.sleep(0.2)
 
 
 def _reattach(base_url: str, rid: str, last_event_id: int) -> list[dict[str, object]]:
