@@ -87,10 +87,10 @@ def num_kv_blocks_for(
 def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros for a KV cache. On CPU in fresh private anonymous pages, which the kernel hands
     out zero-filled as steps first write them: `torch.zeros` writes every byte at start,
-    seconds for a cache of several GB (6 s for 6.6 GB on a 2-vCPU VM) before the scheduler
-    takes a job. So the process's memory grows into the cache as it fills instead. Claiming
-    the pages from a background thread at start (madvise MADV_POPULATE_WRITE) was tried and
-    dropped: it competed with the first steps for the CPU and bought nothing measurable."""
+    seconds for a cache of several GB before the scheduler takes a job. So the process's
+    memory grows into the cache as it fills instead. Claiming the pages from a background
+    thread at start (madvise MADV_POPULATE_WRITE) was tried and dropped: it competed with the
+    first steps for the CPU (both measured in bench/README.md, sittings G and H)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
