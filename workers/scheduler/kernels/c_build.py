@@ -10,6 +10,7 @@ from (the sources, the compiler and its flags, the CPU) and loaded from there ne
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -88,11 +89,16 @@ def _kept_library(compiler: str, source: Path, extra_flags: tuple[str, ...]) -> 
     digest = hashlib.sha256()
     for part in (compiler, *COMPILE_FLAGS, *extra_flags, *LINK_FLAGS, cpu_identity()):
         digest.update(part.encode() + b"\0")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True)
-    digest.update(version.stdout.encode())
+    digest.update(_compiler_version(compiler).encode())
     for path in sorted([source, *SOURCES.glob("*.[ch]")]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return _kept_in[0] / f"{source.stem}-{digest.hexdigest()[:24]}.so"
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """What `compiler --version` says: asked once, not for every kernel a start builds."""
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
 
 
 def _keep(library: Path, kept: Path) -> None:
