@@ -37,6 +37,7 @@ PROMPT = "The history of the printing press begins"
 NUM_TOKENS = 40
 TOKEN_SHARDS = 2
 SCHEDULERS = ("null-a", "null-b")
+DETOKENIZERS = ("detok-a", "detok-b")
 # DRAIN_S is shorter than the rest of a request: SIGTERM hands it over instead of finishing it.
 NULL = {"REDSERVE_SCHEDULER__ENGINE": "null", "REDSERVE_SCHEDULER__NULL_STEP_MS": "25",
         "REDSERVE_SCHEDULER__DRAIN_S": "0.3"}  # fmt: skip
@@ -59,7 +60,7 @@ def stack(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     )
     fleet = Fleet(cluster, settings, tmp_path_factory.mktemp("cluster-fleet-logs"))
     try:
-        for name in ("detok-a", "detok-b"):
+        for name in DETOKENIZERS:
             fleet.start(name, "detokenizer")
         for name in ("api", "api-b"):
             fleet.start(name, "api", env=RIDE_OUT)
@@ -267,7 +268,7 @@ def _wait_until_the_shards_are_balanced(
     r, deadline = stack.redis(), time.monotonic() + timeout_s
     while True:
         served = []
-        for name in ("detok-a", "detok-b"):
+        for name in DETOKENIZERS:
             beat = r.hgetall(stack.keys.heartbeat("detokenizer", name))
             if beat and float(beat["updated_at"]) > since:
                 served.append(sorted(int(s) for s in beat["shards"].split(",") if s))
