@@ -92,7 +92,7 @@ def test_auto_follows_the_fp32_greedy_trajectory_through_each_of_its_kernels(
     model_path: str, reference: Reference
 ) -> None:
     # Every step size routed to one kernel at a time: int4 projections with the int8 head,
-    # then (AVX512-VNNI CPUs) both times int8 activations, then (AMX-BF16 CPUs) int8 x bf16
+    # then (AVX512-VNNI or AVX2 CPUs) both times int8 activations, then (AMX-BF16 CPUs) int8 x bf16
     # everywhere.
     runner = TorchModelRunner.load(model_path, 64, 16, dtype="float32", quantization="auto")
     kernels = [

@@ -22,7 +22,7 @@ from workers.scheduler.layers.quantization import int4_grid
 from workers.scheduler.layers.tiered import TieredLinear
 
 needs_kernel = pytest.mark.skipif(
-    not fused_decode.available(), reason="the fused step needs AVX512-VNNI and a C compiler"
+    not fused_decode.available(), reason="the fused step needs AVX512-VNNI or AVX2 and a C compiler"
 )
 BLOCK_SIZE = 8
 BLOCKS_EACH = 6  # cache blocks per sequence in `decode`

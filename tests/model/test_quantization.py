@@ -135,7 +135,7 @@ def test_tune_routes_sends_each_step_size_to_the_kernel_that_ran_it_fastest() ->
 def test_quantize_model_wraps_every_projection_and_the_head(model_path: str) -> None:
     runner = TorchModelRunner.load(model_path, 8, 16, dtype="float32", quantization="int4")
     model = runner.model
-    # With AVX512-VNNI the int8 and int4 groups also go through the fused step's products.
+    # With AVX512-VNNI or AVX2 the int8 and int4 groups also go through the fused step's products.
     vnni = fused_decode.available()
     head, projection = ["int8"] + ["int8_vnni"] * vnni, ["int4"] + ["int4_vnni"] * vnni
     assert isinstance(model.lm_head, TieredLinear) and list(model.lm_head.kernels) == head

@@ -1,5 +1,5 @@
 """Decode steps (one new token for each of a batch of sequences) in one C call
-(fused_decode.c), for int4-quantized Llama-family models on CPUs with AVX512-VNNI.
+(fused_decode.c), for int4-quantized Llama-family models on CPUs with AVX512-VNNI or AVX2.
 
 A torch forward of a decode step runs some 750 small ops for SmolLM2-135M, and their
 dispatch, not their arithmetic, is most of a small batch's step: the kernel runs the whole
@@ -47,7 +47,7 @@ class Shape(ctypes.Structure):
 
 @functools.cache
 def build() -> ctypes.CDLL | None:
-    """The kernel built for this CPU, or None (no compiler, or no AVX512-VNNI here)."""
+    """The kernel built for this CPU, or None (no compiler, or no AVX512-VNNI nor AVX2)."""
     lib = build_library(SOURCE)
     if lib is None:
         return None

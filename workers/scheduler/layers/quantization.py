@@ -126,7 +126,7 @@ def quantize_model(
     if fits(head, bits=8) and (-1, "lm_head") not in keep_dense:
         head_kernels: dict[str, nn.Module] = {"int8": Int8Weights(head.weight)}
         if fused_decode.available() and fused_decode.tiles_fit(*head.weight.shape):
-            # int8 groups x int8 activations (AVX512-VNNI): reads half of bf16's bytes
+            # int8 groups x int8 activations (AVX512-VNNI or AVX2): reads half of bf16's bytes
             head_kernels["int8_vnni"] = fused_decode.FusedLinear(
                 fused_decode.Tiles.int8(head.weight)
             )
@@ -146,7 +146,7 @@ def _decoder_kernels(
     (w8a8_int8) W8A8, or for down_proj those that keep its activations in 16 bits."""
     int4 = Int4Weights(dense.weight)
     kernels: dict[str, nn.Module] = {"int4": int4}
-    if int4.tiles is not None:  # the same groups times int8 activations (AVX512-VNNI)
+    if int4.tiles is not None:  # the same groups times int8 activations (AVX512-VNNI or AVX2)
         kernels["int4_vnni"] = fused_decode.FusedLinear(int4.tiles)
     if input_max is not None and name in DYNAMIC_INT8_PROJECTIONS:
         kernels["w8a8"] = w8a8_projection(dense.weight, input_max)

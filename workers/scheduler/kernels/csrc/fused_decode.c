@@ -16,14 +16,28 @@
  * for up to ROWS sequences, so a batch reads the weights once. Residual, norms, rope and
  * attention stay fp32; K and V are stored in the cache's dtype.
  *
- * Built with AVX512-F/VNNI only; elsewhere `fused_available` says 0 and the torch forward
- * serves. */
+ * With AVX2 alone (no VNNI) the same tiles go 8 rows at a time, half a chunk: vpmaddubsw
+ * multiplies the int4 codes by the activations in pairs, whose int16 sums over a group's 32
+ * inputs cannot overflow (16 x 15 x 127 < 2^15), and one vpmaddwd widens them; 8-bit codes
+ * go as signed bytes q = u - 128 through vpsignb, 127 x 127 x 2 < 2^15 per pair, and the
+ * 128 moves into the minimum's term.
+ *
+ * Built with AVX512-F/VNNI or AVX2 (with FMA and F16C); elsewhere `fused_available` says 0
+ * and the torch forward serves. */
 #include "paged_decode.c"
 
-#ifdef __AVX512VNNI__
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define FUSED 1
+#define FUSED_AVX512 1
+#define ROWS 8 /* sequences per pass over a tile's weights */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FUSED 1
+#define FUSED_AVX512 0
+#define ROWS 4 /* 8 codes, 4 sums and their operands fill AVX2's 16 registers */
 #else
 #define FUSED 0
+#define FUSED_AVX512 0
+#define ROWS 8
 #endif
 
 int fused_available(void) { return FUSED; }
@@ -36,7 +50,6 @@ typedef struct {
 
 #define GROUP 32
 #define TILE 16
-#define ROWS 8 /* sequences per pass over a tile's weights */
 
 /* One step's activations for B sequences, carved out of the caller's scratch. */
 typedef struct {
@@ -113,6 +126,7 @@ static void quantize_row(const float *x, int k, Scratch *w, int b) {
     }
 }
 
+#if FUSED_AVX512
 /* y[b][t * 16 .. +16) for rows `first`..`first + R` of the batch: one tile's groups,
  * unpacked once for all R rows. R and bits are constants in each inlined copy, so the
  * accumulators stay in registers. An 8-bit group is 8 chunks of 4 inputs; an int4 one is 4
@@ -162,6 +176,73 @@ INLINE void tile_rows(const uint8_t *p, const uint16_t *scales, const uint16_t *
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)(first + r) * n + t * TILE, acc[r]);
 }
 
+#else
+/* As above with AVX2: each half of the tile (rows 0-7, then 8-15) in turn, a chunk's 32
+ * bytes of that half times each row's 4 activation bytes, broadcast. */
+INLINE void tile_rows(const uint8_t *p, const uint16_t *scales, const uint16_t *mins,
+                      const Scratch *w, int first, int R, int bits, int groups, float *y, int n,
+                      int t) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), sign = _mm256_set1_epi8((char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int per_row = w->widest / GROUP;
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *ph = p + half * 32;
+        __m256 acc[ROWS];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int g = 0; g < groups; g++) {
+            __m256i codes[8], signs[8]; /* int4: codes; 8-bit: |q| and q */
+            for (int c = 0; c < 4; c++) {
+                if (bits == 8) {
+                    for (int j = 2 * c; j < 2 * c + 2; j++) {
+                        const uint8_t *chunk = ph + (size_t)(g * 8 + j) * 64;
+                        __m256i u = _mm256_loadu_si256((const __m256i *)chunk);
+                        signs[j] = _mm256_xor_si256(u, sign);
+                        codes[j] = _mm256_abs_epi8(signs[j]);
+                    }
+                } else {
+                    const uint8_t *chunk = ph + (size_t)(g * 4 + c) * 64;
+                    __m256i bytes = _mm256_loadu_si256((const __m256i *)chunk);
+                    codes[2 * c] = _mm256_and_si256(bytes, nibble);
+                    codes[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+                }
+            }
+            const int at_ = g * TILE + half * 8;
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at_)));
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at_)));
+            if (bits == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m); /* u = q + 128 */
+            for (int r = 0; r < R; r++) {
+                int b = first + r;
+                const int32_t *xq = (const int32_t *)(w->q + (size_t)b * w->widest + g * GROUP);
+                __m256i dot;
+                if (bits == 8) {
+                    dot = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; j++) {
+                        __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), signs[j]);
+                        dot = _mm256_add_epi32(
+                            dot, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], x), ones));
+                    }
+                } else { /* int16 pair sums, added as a tree */
+                    __m256i s[8];
+                    for (int j = 0; j < 8; j++)
+                        s[j] = _mm256_maddubs_epi16(codes[j], _mm256_set1_epi32(xq[j]));
+                    for (int j = 0; j < 4; j++) s[j] = _mm256_add_epi16(s[j], s[j + 4]);
+                    s[0] = _mm256_add_epi16(_mm256_add_epi16(s[0], s[2]),
+                                            _mm256_add_epi16(s[1], s[3]));
+                    dot = _mm256_madd_epi16(s[0], ones);
+                }
+                float dx = w->scale[(size_t)b * per_row + g];
+                float sx = w->sum[(size_t)b * per_row + g];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                         _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_ps(y + (size_t)(first + r) * n + t * TILE + half * 8, acc[r]);
+    }
+}
+#endif
+
 INLINE void tiles_of(Codes w, const Scratch *x, int B, int n, int bits, int groups,
                      float *y) {
     const size_t tile_bytes = (size_t)groups * GROUP * TILE * bits / 8;
@@ -175,7 +256,9 @@ INLINE void tiles_of(Codes w, const Scratch *x, int B, int n, int bits, int grou
 #define ROWS_CASE(R) \
     case R: tile_rows(p, scales, mins, x, first, R, bits, groups, y, n, t); break;
                 ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+#if ROWS > 4
                 ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#endif
 #undef ROWS_CASE
             }
         }
@@ -315,7 +398,7 @@ static int bad_step(const Shape *s, const Step *t, const int32_t *lens) {
  * LAYER_POINTERS per layer; `embed` is the bf16 or fp32 embedding table (embed_bf16); rope
  * tables fp32 [positions, D]. `scratch`: fused_scratch_bytes(shape, B) bytes or more,
  * 64-aligned, used by one call at a time. Returns 0, -1 for shapes it does not take (or no
- * AVX512-VNNI), -2 when out of memory. */
+ * AVX512-VNNI or AVX2), -2 when out of memory. */
 int fused_decode(const void *const *layers, const Shape *shape, const void *embed, int embed_bf16,
                  const float *final_norm, const float *rope_cos, const float *rope_sin, int B,
                  const int32_t *tokens, const int32_t *positions, const int32_t *tables,
@@ -363,7 +446,7 @@ int fused_decode(const void *const *layers, const Shape *shape, const void *embe
  * the tiles' layout: `bits` 8 (codes u in 0..255: w = scale * u + min, so a signed int8
  * weight q with its scale is u = q + 128 and min = -128 * scale) or 4. x is quantized to
  * int8 per group of 32 as in the step. `scratch`: fused_linear_scratch_bytes(k, B) bytes,
- * 64-aligned. Returns 0, or -1 for shapes it does not take (or no AVX512-VNNI). */
+ * 64-aligned. Returns 0, or -1 for shapes it does not take (or neither AVX512-VNNI nor AVX2). */
 int64_t fused_linear_scratch_bytes(int k, int B) {
     Shape s = {0};
     s.hidden = s.inter = k;
