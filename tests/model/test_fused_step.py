@@ -24,8 +24,20 @@ from workers.scheduler.layers.tiered import TieredLinear
 needs_kernel = pytest.mark.skipif(
     not fused_decode.available(), reason="the fused step needs AVX512-VNNI or AVX2 and a C compiler"
 )
+AVX2 = ("-mno-avx512f",)  # the AVX2 path, which AVX-512 CPUs do not run by themselves
 BLOCK_SIZE = 8
 BLOCKS_EACH = 6  # cache blocks per sequence in `decode`
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each build of the kernel: this CPU's, and its AVX2 path (the same on AVX2 CPUs)."""
+    if request.param == "avx2":
+        lib = fused_decode.build(AVX2)
+        if lib is None:
+            pytest.skip("no AVX2 here")
+        monkeypatch.setattr(fused_decode, "build", lambda extra_flags=(): lib)
+    return str(request.param)
 
 
 def test_tiles_keep_every_group_in_the_kernels_layout() -> None:
@@ -48,7 +60,7 @@ def test_tiles_keep_every_group_in_the_kernels_layout() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, 9, 17])
-def test_the_fused_linear_computes_the_product_of_its_groups(rows: int) -> None:
+def test_the_fused_linear_computes_the_product_of_its_groups(rows: int, kernel_build: str) -> None:
     torch.manual_seed(rows)
     weight, x = torch.randn(48, 96) * 0.05, torch.randn(rows, 96)
     eight = Tiles.int8(weight)
@@ -110,7 +122,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     [("bfloat16", "auto", 1), ("float32", "bfloat16", 1), ("bfloat16", "auto", 11)],
 )
 def test_the_fused_step_is_as_close_to_the_dense_model_as_the_torch_int4_forward(
-    tiny_folder: Path, dtype: str, kv_dtype: str, batch: int
+    tiny_folder: Path, dtype: str, kv_dtype: str, batch: int, kernel_build: str
 ) -> None:
     def load(quantization: str, dtype: str = dtype, kv: str = kv_dtype) -> TorchModelRunner:
         return TorchModelRunner.load(

@@ -46,9 +46,10 @@ class Shape(ctypes.Structure):
 
 
 @functools.cache
-def build() -> ctypes.CDLL | None:
-    """The kernel built for this CPU, or None (no compiler, or no AVX512-VNNI nor AVX2)."""
-    lib = build_library(SOURCE)
+def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernel built for this CPU, or None (no compiler, or no AVX512-VNNI nor AVX2).
+    `extra_flags`: for tests, e.g. -mno-avx512f for the AVX2 path on an AVX-512 CPU."""
+    lib = build_library(SOURCE, extra_flags)
     if lib is None:
         return None
     pointer, i32 = ctypes.c_void_p, ctypes.c_int
