@@ -36,8 +36,6 @@
 #define ROWS 4 /* 8 codes, 4 sums and their operands fill AVX2's 16 registers */
 #else
 #define FUSED 0
-#define FUSED_AVX512 0
-#define ROWS 8
 #endif
 
 int fused_available(void) { return FUSED; }
