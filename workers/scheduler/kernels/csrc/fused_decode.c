@@ -189,15 +189,14 @@ INLINE void tile_rows(const uint8_t *p, const uint16_t *scales, const uint16_t *
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int g = 0; g < groups; g++) {
             __m256i codes[8], signs[8]; /* int4: codes; 8-bit: |q| and q */
-            for (int c = 0; c < 4; c++) {
-                if (bits == 8) {
-                    for (int j = 2 * c; j < 2 * c + 2; j++) {
-                        const uint8_t *chunk = ph + (size_t)(g * 8 + j) * 64;
-                        __m256i u = _mm256_loadu_si256((const __m256i *)chunk);
-                        signs[j] = _mm256_xor_si256(u, sign);
-                        codes[j] = _mm256_abs_epi8(signs[j]);
-                    }
-                } else {
+            if (bits == 8) {
+                for (int j = 0; j < 8; j++) {
+                    const uint8_t *chunk = ph + (size_t)(g * 8 + j) * 64;
+                    signs[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)chunk), sign);
+                    codes[j] = _mm256_abs_epi8(signs[j]);
+                }
+            } else {
+                for (int c = 0; c < 4; c++) {
                     const uint8_t *chunk = ph + (size_t)(g * 4 + c) * 64;
                     __m256i bytes = _mm256_loadu_si256((const __m256i *)chunk);
                     codes[2 * c] = _mm256_and_si256(bytes, nibble);
