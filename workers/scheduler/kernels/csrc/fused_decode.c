@@ -16,11 +16,11 @@
  * for up to ROWS sequences, so a batch reads the weights once. Residual, norms, rope and
  * attention stay fp32; K and V are stored in the cache's dtype.
  *
- * With AVX2 alone (no VNNI) the same tiles go 8 rows at a time, half a chunk: vpmaddubsw
- * multiplies the int4 codes by the activations in pairs, whose int16 sums over a group's 32
- * inputs cannot overflow (16 x 15 x 127 < 2^15), and one vpmaddwd widens them; 8-bit codes
- * go as signed bytes q = u - 128 through vpsignb, 127 x 127 x 2 < 2^15 per pair, and the
- * 128 moves into the minimum's term.
+ * With AVX2 alone (no VNNI) a chunk goes as two halves of 8 rows, each multiplied by up to 4
+ * sequences' activations: vpmaddubsw multiplies the int4 codes by the activations in pairs,
+ * whose int16 sums over a group's 32 inputs cannot overflow (16 x 15 x 127 < 2^15), and
+ * one vpmaddwd widens them; 8-bit codes go as signed bytes q = u - 128 through vpsignb,
+ * 127 x 127 x 2 < 2^15 per pair, and the 128 moves into the minimum's term.
  *
  * Built with AVX512-F/VNNI or AVX2 (with FMA and F16C); elsewhere `fused_available` says 0
  * and the torch forward serves. */
@@ -33,7 +33,7 @@
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define FUSED 1
 #define FUSED_AVX512 0
-#define ROWS 4 /* 8 codes, 4 sums and their operands fill AVX2's 16 registers */
+#define ROWS 4 /* 2 x 4 sums, 4 codes and 2 broadcasts fill AVX2's 16 registers */
 #else
 #define FUSED 0
 #endif
@@ -175,68 +175,111 @@ INLINE void tile_rows(const uint8_t *p, const uint16_t *scales, const uint16_t *
 }
 
 #else
-/* As above with AVX2: each half of the tile (rows 0-7, then 8-15) in turn, a chunk's 32
- * bytes of that half times each row's 4 activation bytes, broadcast. */
+/* With AVX2, both halves of a tile (rows 0-7 and 8-15, 32 bytes of each chunk) go as an
+ * outer product with R sequences: each chunk's codes and each sequence's broadcast
+ * activation bytes are loaded once for 2 x R products (AVX2 takes no broadcast operand, and
+ * one load per product bound the tile). A group's integer sums stay in registers, then
+ * add_group scales them into the fp32 sums. */
+
+/* acc[h][r] += d * dx * dots[h][r] + (m + offset * d) * sx for group g of both halves. */
+INLINE void add_group(__m256 acc[2][ROWS], __m256i dots[2][ROWS], const uint16_t *scales,
+                      const uint16_t *mins, float offset, const Scratch *w, int first, int R,
+                      int g) {
+    const int per_row = w->widest / GROUP;
+    for (int h = 0; h < 2; h++) {
+        const int at_ = g * TILE + h * 8;
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at_)));
+        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at_)));
+        if (offset != 0.f) m = _mm256_fmadd_ps(d, _mm256_set1_ps(offset), m);
+        for (int r = 0; r < R; r++) {
+            size_t at_x = (size_t)(first + r) * per_row + g;
+            __m256 dx = _mm256_set1_ps(w->scale[at_x]), sx = _mm256_set1_ps(w->sum[at_x]);
+            acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[h][r]), _mm256_mul_ps(d, dx),
+                                        acc[h][r]);
+            acc[h][r] = _mm256_fmadd_ps(m, sx, acc[h][r]);
+        }
+    }
+}
+
+/* Row b's 4 activation bytes at input 4 * j of group g, in every lane. */
+INLINE __m256i activations(const Scratch *w, int b, int g, int j) {
+    return _mm256_set1_epi32(((const int32_t *)(w->q + (size_t)b * w->widest + g * GROUP))[j]);
+}
+
+/* An int4 chunk holds inputs 8c..8c+3 (low nibbles) and 8c+4..8c+7 (high). The int16 pair
+ * sums of a group cannot overflow: 16 x 15 x 127 < 2^15. */
+INLINE void int4_group(const uint8_t *p, const Scratch *w, int first, int R, int g,
+                       __m256i dots[2][ROWS]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i sums[2][ROWS];
+    for (int r = 0; r < R; r++) sums[0][r] = sums[1][r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const uint8_t *chunk = p + (size_t)(g * 4 + c) * 64;
+        __m256i low[2], high[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)(chunk + h * 32));
+            low[h] = _mm256_and_si256(bytes, nibble);
+            high[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+        }
+        for (int r = 0; r < R; r++) {
+            __m256i a = activations(w, first + r, g, 2 * c);
+            __m256i b = activations(w, first + r, g, 2 * c + 1);
+            for (int h = 0; h < 2; h++) {
+                sums[h][r] = _mm256_add_epi16(
+                    sums[h][r], _mm256_add_epi16(_mm256_maddubs_epi16(low[h], a),
+                                                 _mm256_maddubs_epi16(high[h], b)));
+                /* In a register now: else gcc computes all of a group's products first,
+                 * spills them, and adds them as a tree. */
+                __asm__("" : "+x"(sums[h][r]));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) dots[h][r] = _mm256_madd_epi16(sums[h][r], ones);
+}
+
+/* An 8-bit chunk holds 4 inputs, codes u = q + 128 multiplied as |q| times the activation
+ * with q's sign (vpsignb); a pair of products can reach 2 x 127 x 127, so each vpmaddubsw
+ * is widened to int32 at once. */
+INLINE void int8_group(const uint8_t *p, const Scratch *w, int first, int R, int g,
+                       __m256i dots[2][ROWS]) {
+    const __m256i sign = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) dots[0][r] = dots[1][r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *chunk = p + (size_t)(g * 8 + j) * 64;
+        __m256i q[2], magnitude[2];
+        for (int h = 0; h < 2; h++) {
+            q[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(chunk + h * 32)), sign);
+            magnitude[h] = _mm256_abs_epi8(q[h]);
+        }
+        for (int r = 0; r < R; r++) {
+            __m256i x = activations(w, first + r, g, j);
+            for (int h = 0; h < 2; h++) {
+                __m256i pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(x, q[h]));
+                dots[h][r] = _mm256_add_epi32(dots[h][r], _mm256_madd_epi16(pairs, ones));
+                __asm__("" : "+x"(dots[h][r])); /* as in int4_group */
+            }
+        }
+    }
+}
+
 INLINE void tile_rows(const uint8_t *p, const uint16_t *scales, const uint16_t *mins,
                       const Scratch *w, int first, int R, int bits, int groups, float *y, int n,
                       int t) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), sign = _mm256_set1_epi8((char)0x80);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int per_row = w->widest / GROUP;
-    for (int half = 0; half < 2; half++) {
-        const uint8_t *ph = p + half * 32;
-        __m256 acc[ROWS];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-        for (int g = 0; g < groups; g++) {
-            __m256i codes[8], signs[8]; /* int4: codes; 8-bit: |q| and q */
-            if (bits == 8) {
-                for (int j = 0; j < 8; j++) {
-                    const uint8_t *chunk = ph + (size_t)(g * 8 + j) * 64;
-                    signs[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)chunk), sign);
-                    codes[j] = _mm256_abs_epi8(signs[j]);
-                }
-            } else {
-                for (int c = 0; c < 4; c++) {
-                    const uint8_t *chunk = ph + (size_t)(g * 4 + c) * 64;
-                    __m256i bytes = _mm256_loadu_si256((const __m256i *)chunk);
-                    codes[2 * c] = _mm256_and_si256(bytes, nibble);
-                    codes[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-                }
-            }
-            const int at_ = g * TILE + half * 8;
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at_)));
-            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at_)));
-            if (bits == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m); /* u = q + 128 */
-            for (int r = 0; r < R; r++) {
-                int b = first + r;
-                const int32_t *xq = (const int32_t *)(w->q + (size_t)b * w->widest + g * GROUP);
-                __m256i dot;
-                if (bits == 8) {
-                    dot = _mm256_setzero_si256();
-                    for (int j = 0; j < 8; j++) {
-                        __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), signs[j]);
-                        dot = _mm256_add_epi32(
-                            dot, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], x), ones));
-                    }
-                } else { /* int16 pair sums, added as a tree */
-                    __m256i s[8];
-                    for (int j = 0; j < 8; j++)
-                        s[j] = _mm256_maddubs_epi16(codes[j], _mm256_set1_epi32(xq[j]));
-                    for (int j = 0; j < 4; j++) s[j] = _mm256_add_epi16(s[j], s[j + 4]);
-                    s[0] = _mm256_add_epi16(_mm256_add_epi16(s[0], s[2]),
-                                            _mm256_add_epi16(s[1], s[3]));
-                    dot = _mm256_madd_epi16(s[0], ones);
-                }
-                float dx = w->scale[(size_t)b * per_row + g];
-                float sx = w->sum[(size_t)b * per_row + g];
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                         _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
-                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[r]);
-            }
-        }
-        for (int r = 0; r < R; r++)
-            _mm256_storeu_ps(y + (size_t)(first + r) * n + t * TILE + half * 8, acc[r]);
+    __m256 acc[2][ROWS];
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256i dots[2][ROWS];
+        if (bits == 4)
+            int4_group(p, w, first, R, g, dots);
+        else
+            int8_group(p, w, first, R, g, dots);
+        add_group(acc, dots, scales, mins, bits == 8 ? 128.f : 0.f, w, first, R, g);
     }
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_ps(y + (size_t)(first + r) * n + t * TILE + h * 8, acc[h][r]);
 }
 #endif
 
