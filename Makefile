@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# The suite waits on real processes and Redis for much of its time: 2 workers overlap that.
+TEST_WORKERS ?= 2
 
 .PHONY: install serve test lint clean
 
@@ -25,7 +27,7 @@ serve: install
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -22,6 +22,17 @@ from shared.model_files import resolve_model
 FIXTURE_MARKERS = {"redis_url": "redis", "model_path": "model"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `pytest -n N` (`make test`) the workers split the cores between them: torch's
+    threads (and the C kernels', which share its OpenMP runtime) would otherwise be N times
+    as many as the cores, and a parallel region then waits on a thread that is not running."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     has_compiler = bool(shutil.which("gcc") or shutil.which("cc"))
     for item in items:
