@@ -15,6 +15,7 @@ from tests.support.models import SMALL, saved_random_model
 from tests.support.routing import route_every_size
 from tests.support.teacher_forcing import Reference, agreement
 from workers.scheduler.core.sequence import Sequence
+from workers.scheduler.engine import fused_step
 from workers.scheduler.engine.model_runner import TorchModelRunner
 from workers.scheduler.kernels import fused_decode
 from workers.scheduler.kernels.fused_decode import FusedLinear, Tiles
@@ -118,11 +119,16 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @needs_kernel
 @pytest.mark.parametrize(
-    ("dtype", "kv_dtype", "batch"),
-    [("bfloat16", "auto", 1), ("float32", "bfloat16", 1), ("bfloat16", "auto", 11)],
+    ("dtype", "kv_dtype", "batch", "prefill_rows"),
+    [
+        ("bfloat16", "auto", 1, 0),
+        ("float32", "bfloat16", 1, 0),
+        ("bfloat16", "auto", 11, 0),
+        ("bfloat16", "auto", 11, 256),  # the prompts' prefill fused too
+    ],
 )
 def test_the_fused_step_is_as_close_to_the_dense_model_as_the_torch_int4_forward(
-    tiny_folder: Path, dtype: str, kv_dtype: str, batch: int, kernel_build: str
+    tiny_folder: Path, dtype: str, kv_dtype: str, batch: int, prefill_rows: int, kernel_build: str
 ) -> None:
     def load(quantization: str, dtype: str = dtype, kv: str = kv_dtype) -> TorchModelRunner:
         return TorchModelRunner.load(
@@ -135,7 +141,7 @@ def test_the_fused_step_is_as_close_to_the_dense_model_as_the_torch_int4_forward
         )
 
     fused, plain, dense = load("int4"), load("int4"), load("none", "float32", "auto")
-    fused.use_fused_step(batch)
+    fused.use_fused_step(batch, prefill_rows=prefill_rows)
     plain.use_fused_step(0)
     # The same int4 groups, not the dense weights, for the prefills and torch's decodes.
     for runner in (fused, plain):
@@ -190,8 +196,67 @@ def test_only_decode_steps_up_to_its_batch_limit_take_it(tiny_folder: Path) -> N
     seqs[0].num_computed_tokens, seqs[0].num_new_tokens = 2, 2  # a chunk beside a decode
     runner.forward(seqs[:2])
     assert len(calls) == 1
+    runner.use_fused_step(2, prefill_rows=3)  # now up to 3 tokens, chunks included
+    calls = spy_on_the_fused_step(runner)
+    runner.forward(seqs[:2])  # its tokens at positions 2 and 3, then the decode
+    assert calls == [([3, 4, 4], [2, 3, 3], [[0], [0], [1]])]
+    runner.forward(seqs)  # 4 tokens: the torch forward
+    assert len(calls) == 1
     runner.use_fused_step(0)
     assert runner.fused is None
+
+
+@needs_kernel
+def test_a_step_with_chunks_takes_it_only_over_short_contexts(
+    tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = TorchModelRunner.load(str(tiny_folder), 8, BLOCK_SIZE, quantization="int4")
+    runner.use_fused_step(4, prefill_rows=16)
+    assert runner.fused is not None
+    chunk = Sequence("chunk", list(range(1, 14)), SamplingParams())
+    chunk.block_table, chunk.num_computed_tokens, chunk.num_new_tokens = [0, 1], 8, 5
+    decode = Sequence("decode", list(range(1, 30)), SamplingParams())
+    decode.block_table, decode.num_computed_tokens, decode.num_new_tokens = [2, 3, 4, 5], 28, 1
+    # Positions 8-12 attend to 9 + 10 + ... + 13 positions: 11 each on average.
+    assert fused_step.attended([chunk]) == 55
+    assert fused_step.attended([decode]) == 29
+    monkeypatch.setattr(fused_step, "MAX_MEAN_CONTEXT", 11)
+    assert runner.fused.takes([chunk, decode])  # the decode's context does not count
+    monkeypatch.setattr(fused_step, "MAX_MEAN_CONTEXT", 10)
+    assert not runner.fused.takes([chunk, decode])
+    assert runner.fused.takes([decode])  # decode steps whatever their contexts
+
+
+@needs_kernel
+def test_a_mixed_step_follows_the_torch_forward(tiny_folder: Path) -> None:
+    # A prompt's chunk in the middle of a step of decodes, through the fused step and
+    # through the torch forward over the same int4 groups, from the same cache.
+    runners = [TorchModelRunner.load(str(tiny_folder), 8, BLOCK_SIZE, quantization="int4")]
+    runners.append(TorchModelRunner.load(str(tiny_folder), 8, BLOCK_SIZE, quantization="int4"))
+    fused, plain = runners
+    fused.use_fused_step(4, prefill_rows=32)
+    plain.use_fused_step(0)
+    for runner in runners:
+        route_every_size(runner.model, "int4")
+    outputs = []
+    for runner in runners:
+        seqs = [Sequence(f"s{i}", list(range(3 + i, 19 + i)), SamplingParams()) for i in range(3)]
+        for i, seq in enumerate(seqs):
+            seq.block_table, seq.num_new_tokens = [2 * i, 2 * i + 1], 10
+        runner.forward(seqs)  # the prompts' first 10 tokens
+        for seq in seqs:
+            seq.num_computed_tokens, seq.num_new_tokens = 10, 1
+        seqs[1].num_new_tokens = 6  # the rest of its prompt, beside two decodes
+        outputs.append(runner.forward(seqs))
+    (got, got_batch), (want, want_batch) = outputs
+    assert got.shape == want.shape == (8, SMALL["hidden_size"])
+    assert torch.equal(got_batch.positions, want_batch.positions)
+    assert torch.equal(got_batch.last_index, want_batch.last_index)
+    for row in range(8):  # another row's would be 0.3-0.9 here
+        assert cosine(got[row], want[row]) > 0.995
+    for layer in range(len(fused.kv_cache)):
+        for kv in range(2):
+            assert cosine(fused.kv_cache[layer][kv], plain.kv_cache[layer][kv]) > 0.995
 
 
 @needs_kernel
@@ -217,13 +282,15 @@ def test_dense_models_keep_the_torch_forward(tiny_folder: Path) -> None:
 def test_fused_steps_follow_the_fp32_greedy_trajectory(
     model_path: str, reference: Reference, alone: bool
 ) -> None:
-    # The default mode on the packaged Q4_1 GGUF, every decode step fused: each prompt
-    # decoded alone, or all of them batched. Measured on Zen 4: top-1 156/160, mean |logprob
-    # error| 0.039, max 0.24 (the torch int4 forward, batched: 156/160 too); on a Xeon with
-    # AMX (whose routes may also take int8 x bf16 tiles), 151/160 alone at the same mean error.
+    # The default mode on the packaged Q4_1 GGUF, every step fused, the prompts' prefill too:
+    # each prompt decoded alone, or all of them batched. Measured on Zen 4 with only the
+    # decodes fused: top-1 156/160, mean |logprob error| 0.039, max 0.24 (the torch int4
+    # forward, batched: 156/160 too); on a Xeon with AMX (whose routes may also take int8 x
+    # bf16 tiles), 151/160 alone at the same mean error.
     runner = TorchModelRunner.load(model_path, 64, 16, dtype="auto", quantization="auto")
-    runner.use_fused_step(64)
+    runner.use_fused_step(64, prefill_rows=256)
     assert runner.fused is not None
+    assert sum(map(len, reference.prompts)) <= 256  # so the prefill is fused
     result = agreement(reference, runner, alone=alone)
     assert result.top1 >= 0.93 * result.total, result
     assert result.mean_error <= 0.06, result

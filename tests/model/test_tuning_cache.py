@@ -68,6 +68,7 @@ def test_a_second_start_takes_the_stored_choices_without_timing(
     assert stored is not None
     stored["routes"] = {name: ["dense"] * len(r) for name, r in stored["routes"].items()}
     stored["fused_step"] = 0 if first.fused is not None else 8  # the other way round
+    stored["fused_prefill_rows"] = 16
     cache.save(key, stored)
 
     second = load(tiny_folder, tmp_path)
@@ -76,6 +77,7 @@ def test_a_second_start_takes_the_stored_choices_without_timing(
     assert second.matmul_decodes == first.matmul_decodes
     fused_limit = 8 if first.fused is None and fused_decode.available() else None
     assert (second.fused and second.fused.max_batch) == fused_limit
+    assert (second.fused and second.fused.prefill_rows) == (fused_limit and 16)
 
 
 def test_a_changed_key_times_again_and_keeps_both(

@@ -1,13 +1,16 @@
-"""The model runner's decode steps through the fused C step (kernels/fused_decode.py): a
-step that carries one new token for each of its sequences runs the whole forward in one
-call instead of the torch model's ~750 ops. It serves int4-quantized models (`--quantization
-auto` on a Q4 GGUF, or `int4`) whose every decoder projection has the int4 groups, for
-batches up to the size where it was timed faster than the torch forward at load
-(`fused_batch_limit`); other steps, and other models, keep the torch forward.
+"""The model runner's steps through the fused C step (kernels/fused_decode.py): a step runs
+the whole forward in one call instead of the torch model's ~750 ops, each of its new tokens
+one row. It serves int4-quantized models (`--quantization auto` on a Q4 GGUF, or `int4`)
+whose every decoder projection has the int4 groups: decode steps (one new token a sequence)
+of up to the batch where it was timed faster than the torch forward at load
+(`fused_batch_limit`), and steps with prefill chunks beside the decodes up to the rows where
+it was timed faster on those too (`fused_prefill_limit`), while their contexts are short
+(`MAX_MEAN_CONTEXT`); other steps, and other models, keep the torch forward.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -27,12 +30,23 @@ TIMING_ROUNDS = 7
 # >= B. The kernel's int4 x int8 products are compute-bound long before 64 sequences, where
 # the torch forward's bf16 matmuls (AMX) pull ahead on some CPUs.
 TIMED_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# Rows (new tokens) of steps with prefill chunks timed at load, as chunks of one block (the
+# largest: the default step budget), best of PREFILL_TIMING_ROUNDS: such steps take tens of
+# ms or more. Each chunk row attends to its own context through the decode attention,
+# without the reuse across a chunk's queries that SDPA's flash attention has, so over long
+# contexts the torch forward wins: a step with chunks takes the fused step only while its
+# chunks' rows attend to at most MAX_MEAN_CONTEXT positions on average (bench/README.md,
+# `bench.fused_prefill`): fresh prompts, not a long history's next turn.
+PREFILL_TIMED_ROWS = (64, 512)
+PREFILL_TIMING_ROUNDS = 3
+MAX_MEAN_CONTEXT = 384
 
 
 class FusedStep:
     def __init__(self, decoder: fused_decode.FusedDecoder, block_size: int) -> None:
         self.decoder, self.block_size = decoder, block_size
-        self.max_batch = decoder.max_batch
+        self.max_batch = decoder.max_rows  # decodes a step may carry
+        self.prefill_rows = 0  # rows of a step with prefill chunks; 0: decode steps only
 
     @classmethod
     def of(
@@ -40,10 +54,10 @@ class FusedStep:
         model: LlamaForCausalLM,
         kv_cache: Sequence[LayerCache],
         block_size: int,
-        max_batch: int = TIMED_BATCHES[-1],
+        max_rows: int = PREFILL_TIMED_ROWS[-1],
     ) -> FusedStep | None:
-        """The fused step over `model` and its cache for decode steps of up to `max_batch`
-        sequences, or None where the kernel does not run here or does not take this model
+        """The fused step over `model` and its cache for steps of up to `max_rows` new
+        tokens, or None where the kernel does not run here or does not take this model
         (see `_layer_tiles`)."""
         args, embed = model.args, model.embed_tokens.weight
         dtypes = (torch.bfloat16, torch.float32)
@@ -88,35 +102,59 @@ class FusedStep:
             model.norm.weight.detach(),
             (model.rope_cos, model.rope_sin),
             embed.dtype,
-            max_batch,
+            max_rows,
         )
         return cls(decoder, block_size)
 
     def takes(self, seqs: list[Seq]) -> bool:
-        """A decode step (one new token a sequence) of up to `max_batch` sequences."""
-        return len(seqs) <= self.max_batch and all(seq.num_new_tokens == 1 for seq in seqs)
+        """A step of up to `max_batch` decodes, with prefill chunks beside them only up to
+        `prefill_rows` new tokens in all and over short contexts (`MAX_MEAN_CONTEXT`)."""
+        chunks = [seq for seq in seqs if seq.num_new_tokens > 1]
+        decodes = len(seqs) - len(chunks)
+        if decodes > self.max_batch or not seqs:
+            return False
+        if not chunks:
+            return True
+        chunk_rows = sum(seq.num_new_tokens for seq in chunks)
+        return (
+            decodes + chunk_rows <= self.prefill_rows
+            and attended(chunks) <= MAX_MEAN_CONTEXT * chunk_rows
+        )
 
     def __call__(self, seqs: list[Seq]) -> tuple[torch.Tensor, AttentionBatch]:
-        """The final hidden states [B, hidden] of the new tokens, and the step's batch
-        (positions and last indices, as the runner's outputs read them)."""
-        positions = [seq.num_computed_tokens for seq in seqs]
+        """The final hidden states [T, hidden] of the step's new tokens, and the step's
+        batch (positions and last indices, as the runner's outputs read them)."""
+        rows = [(seq, p) for seq in seqs for p in new_positions(seq)]
         hidden = self.decoder(
-            [seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)],
-            positions,
-            [seq.block_table for seq in seqs],
+            [seq.token_ids[p] for seq, p in rows],
+            [p for _, p in rows],
+            [seq.block_table for seq, _ in rows],
         )
         slots = [
             seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
-            for seq, p in zip(seqs, positions, strict=True)
+            for seq, p in rows
         ]
         batch = AttentionBatch(
-            positions=torch.tensor(positions),
+            positions=torch.tensor([p for _, p in rows]),
             slot_mapping=torch.tensor(slots),
             groups=[],
-            last_index=torch.arange(len(seqs)),
+            last_index=torch.tensor(list(itertools.accumulate(s.num_new_tokens for s in seqs))) - 1,
             block_size=self.block_size,
         )
         return hidden, batch
+
+
+def new_positions(seq: Seq) -> range:
+    return range(seq.num_computed_tokens, seq.num_computed_tokens + seq.num_new_tokens)
+
+
+def attended(seqs: list[Seq]) -> int:
+    """Positions the new tokens of `seqs` attend to, summed: each its context up to itself."""
+    return sum(
+        n * (seq.num_computed_tokens + 1) + n * (n - 1) // 2
+        for seq in seqs
+        for n in (seq.num_new_tokens,)
+    )
 
 
 def _layer_tiles(layer: DecoderLayer) -> list[fused_decode.Tiles] | None:
@@ -151,13 +189,39 @@ def fused_batch_limit(
         for seq in seqs:
             seq.block_table = [padding_block]
             seq.num_computed_tokens, seq.num_new_tokens = block_size - 1, 1
-        best = {"torch": float("inf"), "fused": float("inf")}
-        for _ in range(TIMING_ROUNDS):
-            for name, step in (("torch", forward), ("fused", fused)):
-                started = time.perf_counter()
-                step(seqs)
-                best[name] = min(best[name], time.perf_counter() - started)
-        if best["fused"] >= best["torch"]:
+        if not faster(fused, forward, seqs, TIMING_ROUNDS):
             break
         limit = size
     return limit
+
+
+def fused_prefill_limit(
+    forward: Forward, fused: FusedStep, padding_block: int, block_size: int
+) -> int:
+    """The largest of `PREFILL_TIMED_ROWS` (up to the step's capacity) up to which the fused
+    step ran every timed step of prefill chunks faster than `forward`; 0 where it lost at
+    the first. The chunks are of one block each, in the padding block."""
+    limit = 0
+    for rows in (r for r in PREFILL_TIMED_ROWS if r <= fused.decoder.max_rows):
+        seqs = [
+            Seq(f"fused-prefill-timing-{i}", [0] * block_size, SamplingParams())
+            for i in range(rows // block_size)
+        ]
+        for seq in seqs:
+            seq.block_table, seq.num_new_tokens = [padding_block], block_size
+        if not faster(fused, forward, seqs, PREFILL_TIMING_ROUNDS):
+            break
+        limit = rows
+    return limit
+
+
+def faster(fused: FusedStep, forward: Forward, seqs: list[Seq], rounds: int) -> bool:
+    """Whether the fused step ran `seqs` faster than `forward`: best of `rounds` each,
+    interleaved."""
+    best = {"torch": float("inf"), "fused": float("inf")}
+    for _ in range(rounds):
+        for name, step in (("torch", forward), ("fused", fused)):
+            started = time.perf_counter()
+            step(seqs)
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best["fused"] < best["torch"]

@@ -13,7 +13,7 @@ import torch
 
 from workers.scheduler.core.sequence import Sequence
 from workers.scheduler.engine.batch import AttentionBatch, LayerCache
-from workers.scheduler.engine.fused_step import FusedStep, fused_batch_limit
+from workers.scheduler.engine.fused_step import FusedStep, fused_batch_limit, fused_prefill_limit
 from workers.scheduler.engine.tuning_cache import TuningCache, tuning_key
 from workers.scheduler.layers.attention_tuning import AttentionChoice, choose_attention
 from workers.scheduler.layers.tiered import TUNED_TOKENS, apply_routes, tune_routes
@@ -37,7 +37,9 @@ class TunedRunner(Protocol):
 
     def use_attention(self, choice: AttentionChoice) -> None: ...
 
-    def use_fused_step(self, max_batch: int, built: FusedStep | None = None) -> None: ...
+    def use_fused_step(
+        self, max_batch: int, built: FusedStep | None = None, prefill_rows: int = 0
+    ) -> None: ...
 
 
 def recall_or_time_kernels(runner: TunedRunner, tuning_dir: Path | None) -> None:
@@ -56,8 +58,8 @@ def recall_or_time_kernels(runner: TunedRunner, tuning_dir: Path | None) -> None
 
 def time_kernels(runner: TunedRunner) -> dict[str, Any]:
     """Routes each projection's step sizes, picks the attention kernels and up to how many
-    sequences decode steps take the fused step, timing them here; returns the choices (as
-    `use_choices` takes them)."""
+    sequences decode steps (and up to how many tokens steps with prefill chunks) take the
+    fused step, timing them here; returns the choices (as `use_choices` takes them)."""
     logger.info("choosing kernels: timing them on this machine")
     model = runner.model
     routes = tune_routes(model)
@@ -74,18 +76,22 @@ def time_kernels(runner: TunedRunner) -> dict[str, Any]:
         runner.use_attention(choice)
     fused = FusedStep.of(model, runner.kv_cache, runner.block_size)
     runner.use_fused_step(0)  # timing the torch forward
-    limit = 0
+    limit = rows = 0
     if fused is not None:
-        limit = fused_batch_limit(runner.forward, fused, runner.padding_block, runner.block_size)
+        timed = (runner.forward, fused, runner.padding_block, runner.block_size)
+        limit = fused_batch_limit(*timed)
+        rows = fused_prefill_limit(*timed) if limit else 0
     logger.info(
-        "decode steps: %s",
+        "decode steps: %s; with prefill chunks: %s",
         f"the fused step up to {limit} sequences" if limit else "the torch forward",
+        f"the fused step up to {rows} tokens" if rows else "the torch forward",
     )
-    runner.use_fused_step(limit, fused)
+    runner.use_fused_step(limit, fused, rows)
     return {
         "routes": routes,
         "attention": None if choice is None else asdict(choice),
         "fused_step": limit,
+        "fused_prefill_rows": rows,
     }
 
 
@@ -95,16 +101,16 @@ def use_choices(runner: TunedRunner, choices: dict[str, Any]) -> bool:
     try:
         routes, attention = choices["routes"], choices["attention"]
         choice = None if attention is None else AttentionChoice(**attention)
-        fused_limit = choices["fused_step"]
+        fused_limit, prefill_rows = choices["fused_step"], choices["fused_prefill_rows"]
     except (KeyError, TypeError):  # a record of another layout
         return False
-    if type(fused_limit) is not int:
+    if type(fused_limit) is not int or type(prefill_rows) is not int:
         return False
     if not apply_routes(runner.model, routes):
         return False
     if choice is not None:
         runner.use_attention(choice)
-    runner.use_fused_step(fused_limit)
+    runner.use_fused_step(fused_limit, prefill_rows=prefill_rows)
     return True
 
 

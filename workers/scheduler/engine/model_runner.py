@@ -192,8 +192,8 @@ class TorchModelRunner:
         missing or of another shape (ReloadError) or incomplete (the loader's error). See
         reload.py."""
         reload_runner(self, model_path, prepare_model)
-        if self.fused is not None:  # it points at the weights it was built on
-            self.use_fused_step(self.fused.max_batch)
+        if (fused := self.fused) is not None:  # it points at the weights it was built on
+            self.use_fused_step(fused.max_batch, prefill_rows=fused.prefill_rows)
 
     def use_attention(self, choice: AttentionChoice) -> None:
         """The attention kernels `choose_attention` timed fastest on this CPU."""
@@ -205,15 +205,20 @@ class TorchModelRunner:
         self.paged_decodes = choice.paged_decodes
         self.matmul_prefill_max_context = choice.matmul_prefill_max_context
 
-    def use_fused_step(self, max_batch: int, built: FusedStep | None = None) -> None:
+    def use_fused_step(
+        self, max_batch: int, built: FusedStep | None = None, prefill_rows: int = 0
+    ) -> None:
         """Decode steps of up to `max_batch` sequences through the fused C step where it
-        takes the model (fused_step.py; `built`: one already made over this model), the
-        others (all with 0) through the torch forward."""
+        takes the model (fused_step.py; `built`: one already made over this model), and
+        steps with prefill chunks of up to `prefill_rows` new tokens; the others (all with
+        `max_batch` 0) through the torch forward."""
         fused = built
         if max_batch > 0 and fused is None:
-            fused = FusedStep.of(self.model, self.kv_cache, self.block_size, max_batch)
+            rows = max(max_batch, prefill_rows)
+            fused = FusedStep.of(self.model, self.kv_cache, self.block_size, rows)
         if fused is not None:
-            fused.max_batch = min(max_batch, fused.decoder.max_batch)
+            fused.max_batch = min(max_batch, fused.decoder.max_rows)
+            fused.prefill_rows = min(prefill_rows, fused.decoder.max_rows)
         self.fused = fused if max_batch > 0 else None
 
     def graphed_decode(self, max_batch: int) -> GraphedDecode:

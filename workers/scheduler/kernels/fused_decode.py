@@ -1,5 +1,6 @@
-"""Decode steps (one new token for each of a batch of sequences) in one C call
-(fused_decode.c), for int4-quantized Llama-family models on CPUs with AVX512-VNNI or AVX2.
+"""Decode steps (one new token for each of a batch of sequences), and prefill chunks beside
+them (a row per new token), in one C call (fused_decode.c), for int4-quantized Llama-family
+models on CPUs with AVX512-VNNI or AVX2.
 
 A torch forward of a decode step runs some 750 small ops for SmolLM2-135M, and their
 dispatch, not their arithmetic, is most of a small batch's step: the kernel runs the whole
@@ -122,8 +123,8 @@ def tiles_fit(out_features: int, in_features: int) -> bool:
 
 
 class FusedDecoder:
-    """The fused step over a model's weights and KV cache, for steps of up to `max_batch`
-    sequences: `layers` gives each layer's four projections' `Tiles` (qkv, o, gate_up,
+    """The fused step over a model's weights and KV cache, for steps of up to `max_rows`
+    new tokens: `layers` gives each layer's four projections' `Tiles` (qkv, o, gate_up,
     down) with its two norms' weights, `caches` its K and V [kv_heads, slots, head_dim]
     (bf16 or fp32). The tensors it points at must outlive it; it holds them."""
 
@@ -136,11 +137,11 @@ class FusedDecoder:
         final_norm: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         out_dtype: torch.dtype,
-        max_batch: int,
+        max_rows: int,
     ) -> None:
         lib = build()
         assert lib is not None
-        self.lib, self.shape, self.out_dtype, self.max_batch = lib, shape, out_dtype, max_batch
+        self.lib, self.shape, self.out_dtype, self.max_rows = lib, shape, out_dtype, max_rows
         self.embed = embed.contiguous()
         self.norms = [(a.float().contiguous(), b.float().contiguous()) for _, a, b in layers]
         self.final_norm = final_norm.float().contiguous()
@@ -155,7 +156,7 @@ class FusedDecoder:
         assert len(pointers) == LAYER_POINTERS * len(layers)
         self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
         self.caches = caches
-        scratch_bytes = lib.fused_scratch_bytes(ctypes.byref(shape), max_batch)
+        scratch_bytes = lib.fused_scratch_bytes(ctypes.byref(shape), max_rows)
         self.scratch = torch.empty(scratch_bytes + 64, dtype=torch.uint8)
 
     def __call__(
@@ -165,8 +166,8 @@ class FusedDecoder:
         a sequence whose cache blocks are its row of `block_tables`; their K/V are written
         to the cache."""
         batch = len(tokens)
-        if not 0 < batch <= self.max_batch:
-            raise ValueError(f"a step of {batch} sequences (this decoder takes 1-{self.max_batch})")
+        if not 0 < batch <= self.max_rows:
+            raise ValueError(f"a step of {batch} tokens (this decoder takes 1-{self.max_rows})")
         vocab, max_position = self.embed.shape[0], self.rope[0].shape[0]
         for token, position in zip(tokens, positions, strict=True):
             if not (0 <= token < vocab and 0 <= position < max_position):

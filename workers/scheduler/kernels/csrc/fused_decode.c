@@ -1,7 +1,10 @@
-/* A whole decode step of a Llama-family model, one new token for each of B sequences, in one
- * call (fused_decode.py): the embedding rows, then per layer rmsnorm, the qkv projection,
- * rope, the K/V write into the paged cache, paged attention (paged_decode.c's task), o_proj,
- * the residual, rmsnorm, gate_up, SiLU x up, down_proj and the residual; the final norm last.
+/* A whole step of a Llama-family model over B rows, each a new token at its position of a
+ * sequence, in one call (fused_decode.py): the embedding rows, then per layer rmsnorm, the
+ * qkv projection, rope, the K/V write into the paged cache, paged attention (paged_decode.c's
+ * task), o_proj, the residual, rmsnorm, gate_up, SiLU x up, down_proj and the residual; the
+ * final norm last. A decode step has one row a sequence; a prefill chunk brings several rows
+ * of one sequence, each attending to its context up to itself: every row's K/V is written
+ * before any row attends (the barrier that ends rope_and_store's loop).
  * A torch forward of a decode step runs ~25 ops a layer, each a dispatch that costs more
  * than its arithmetic at these sizes; here they are plain loops inside one OpenMP region,
  * the threads meeting at a barrier between the phases.
