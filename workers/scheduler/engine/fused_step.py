@@ -39,7 +39,7 @@ TIMED_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # `bench.fused_prefill`): fresh prompts, not a long history's next turn.
 PREFILL_TIMED_ROWS = (64, 512)
 PREFILL_TIMING_ROUNDS = 3
-MAX_MEAN_CONTEXT = 384
+MAX_MEAN_CONTEXT = 512
 
 
 class FusedStep:
