@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -151,9 +151,8 @@ def new_positions(seq: Seq) -> range:
 def attended(seqs: list[Seq]) -> int:
     """Positions the new tokens of `seqs` attend to, summed: each its context up to itself."""
     return sum(
-        n * (seq.num_computed_tokens + 1) + n * (n - 1) // 2
+        seq.num_new_tokens * (2 * seq.num_computed_tokens + seq.num_new_tokens + 1) // 2
         for seq in seqs
-        for n in (seq.num_new_tokens,)
     )
 
 
@@ -183,16 +182,9 @@ def fused_batch_limit(
     faster than `forward` (the torch forward); 0 where it lost at one sequence. Best of
     `TIMING_ROUNDS` each, interleaved. Every sequence attends to a context of one block in
     the padding block, which no sequence owns."""
-    limit = 0
-    for size in (b for b in TIMED_BATCHES if b <= fused.max_batch):
-        seqs = [Seq(f"fused-timing-{i}", [0] * block_size, SamplingParams()) for i in range(size)]
-        for seq in seqs:
-            seq.block_table = [padding_block]
-            seq.num_computed_tokens, seq.num_new_tokens = block_size - 1, 1
-        if not faster(fused, forward, seqs, TIMING_ROUNDS):
-            break
-        limit = size
-    return limit
+    sizes = [b for b in TIMED_BATCHES if b <= fused.max_batch]
+    steps = ((size, padding_seqs(size, block_size - 1, 1, padding_block)) for size in sizes)
+    return largest_faster(fused, forward, steps, TIMING_ROUNDS)
 
 
 def fused_prefill_limit(
@@ -201,17 +193,34 @@ def fused_prefill_limit(
     """The largest of `PREFILL_TIMED_ROWS` (up to the step's capacity) up to which the fused
     step ran every timed step of prefill chunks faster than `forward`; 0 where it lost at
     the first. The chunks are of one block each, in the padding block."""
+    sizes = [r for r in PREFILL_TIMED_ROWS if r <= fused.decoder.max_rows]
+    steps = (
+        (rows, padding_seqs(rows // block_size, 0, block_size, padding_block)) for rows in sizes
+    )
+    return largest_faster(fused, forward, steps, PREFILL_TIMING_ROUNDS)
+
+
+def padding_seqs(count: int, computed: int, new: int, padding_block: int) -> list[Seq]:
+    """`count` timing sequences of `new` tokens after `computed`, all in the padding block."""
+    seqs = [
+        Seq(f"fused-timing-{i}", [0] * (computed + new), SamplingParams()) for i in range(count)
+    ]
+    for seq in seqs:
+        seq.block_table = [padding_block]
+        seq.num_computed_tokens, seq.num_new_tokens = computed, new
+    return seqs
+
+
+def largest_faster(
+    fused: FusedStep, forward: Forward, steps: Iterable[tuple[int, list[Seq]]], rounds: int
+) -> int:
+    """The size of the last of `steps` (size, sequences) before the first the fused step did
+    not run faster than `forward`; 0 where it lost the first."""
     limit = 0
-    for rows in (r for r in PREFILL_TIMED_ROWS if r <= fused.decoder.max_rows):
-        seqs = [
-            Seq(f"fused-prefill-timing-{i}", [0] * block_size, SamplingParams())
-            for i in range(rows // block_size)
-        ]
-        for seq in seqs:
-            seq.block_table, seq.num_new_tokens = [padding_block], block_size
-        if not faster(fused, forward, seqs, PREFILL_TIMING_ROUNDS):
+    for size, seqs in steps:
+        if not faster(fused, forward, seqs, rounds):
             break
-        limit = rows
+        limit = size
     return limit
 
 
