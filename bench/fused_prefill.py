@@ -7,12 +7,15 @@ process, alternating (the default mode on the packaged GGUF):
 Each shape is context:chunk:decodes[:prompts]: `prompts` prompts' (default 1) chunks of
 `chunk` tokens after `context` cached ones, beside `decodes` sequences decoding at position
 192. Prints each path's best step, the positions the chunks' rows attend to on average, and
-whether a served step of that shape takes the fused step (fused_step.MAX_MEAN_CONTEXT).
+whether a served step of that shape takes the fused step (fused_step.MAX_MEAN_CONTEXT). A
+step of more than --split-rows rows is also run as fused calls of at most that many
+(`FusedStep.parts`, as a served step does where splitting was timed faster at load).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -70,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--split-rows", type=int, default=fused_step.PREFILL_TIMED_ROWS[-1])
     args = parser.parse_args()
     shapes = [tuple(int(n) for n in shape.split(":")) for shape in args.shapes]
     seqs_of = {shape: step_of(list(range(1, 4096)), shape) for shape in shapes}
@@ -83,25 +87,34 @@ def main() -> None:
         sys.exit("the fused step does not run on this machine")
     taker = fused_step.FusedStep(fused.decoder, 16)  # whether a served step would take it
     taker.prefill_rows = rows
+    split = fused_step.FusedStep(fused.decoder, 16)
+    split.prefill_rows, split.split_steps = args.split_rows, True
     prompt = make_prompts(model_path, 1, 4096)[0]
     out = sys.stdout
     out.write(
-        "| prompts x (context + chunk) | decodes | mean context | torch | fused | ratio | taken |\n"
+        "| prompts x (context + chunk) | decodes | mean context | torch | fused | ratio | taken "
+        f"| split ({args.split_rows} rows) |\n"
     )
-    out.write("|---|---:|---:|---:|---:|---:|---|\n")
+    out.write("|---|---:|---:|---:|---:|---:|---|---:|\n")
     for shape in shapes:
         seqs = step_of(prompt, shape)
         context, chunk, decodes, prompts = (*shape, 1)[:4]
-        best = {"torch": float("inf"), "fused": float("inf")}
+        parts = split.parts(seqs) if sum(q.num_new_tokens for q in seqs) > args.split_rows else None
+        paths = {"torch": runner.forward, "fused": fused}
+        if parts is not None:
+            paths["split"] = functools.partial(split, parts=parts)
+        best = dict.fromkeys(paths, float("inf"))
         for _ in range(args.rounds):
-            for name, forward in (("torch", runner.forward), ("fused", fused)):
+            for name, forward in paths.items():
                 started = time.perf_counter()
                 forward(seqs)
                 best[name] = min(best[name], time.perf_counter() - started)
+        split_cell = f"{best['split'] * 1e3:.1f} ms" if parts else "-"
         out.write(
             f"| {prompts} x ({context} + {chunk}) | {decodes} | {mean_context(seqs):.0f} "
             f"| {best['torch'] * 1e3:.1f} ms | {best['fused'] * 1e3:.1f} ms "
-            f"| {best['torch'] / best['fused']:.2f}x | {'yes' if taker.takes(seqs) else 'no'} |\n"
+            f"| {best['torch'] / best['fused']:.2f}x | {'yes' if taker.takes(seqs) else 'no'} "
+            f"| {split_cell} |\n"
         )
         out.flush()
 

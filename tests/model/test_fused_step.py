@@ -207,6 +207,49 @@ def test_only_decode_steps_up_to_its_batch_limit_take_it(tiny_folder: Path) -> N
 
 
 @needs_kernel
+def test_a_larger_step_goes_as_several_calls_of_whole_sequences(tiny_folder: Path) -> None:
+    runner = TorchModelRunner.load(str(tiny_folder), 8, BLOCK_SIZE, quantization="int4")
+    runner.use_fused_step(2, prefill_rows=3, split_steps=True)
+    calls = spy_on_the_fused_step(runner)
+    seqs = [Sequence(f"s{i}", [1, 2, 3, 4], SamplingParams()) for i in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.block_table, seq.num_computed_tokens, seq.num_new_tokens = [i], 2, 2
+    seqs[1].num_computed_tokens, seqs[1].num_new_tokens = 3, 1  # a decode between chunks
+    hidden, batch = runner.forward(seqs)  # 5 tokens: 3, then 2
+    assert calls == [([3, 4, 4], [2, 3, 3], [[0], [0], [1]]), ([3, 4], [2, 3], [[2], [2]])]
+    assert hidden.shape[0] == 5 and batch.last_index.tolist() == [1, 2, 4]
+    seqs[0].num_computed_tokens, seqs[0].num_new_tokens = 0, 4  # alone over 3 tokens
+    runner.forward(seqs)
+    assert len(calls) == 2  # the torch forward
+    for seq in seqs:
+        seq.num_computed_tokens, seq.num_new_tokens = 3, 1
+    runner.forward(seqs)  # decodes over the batch limit are not split
+    assert len(calls) == 2
+    runner.use_fused_step(2, prefill_rows=3)  # without split_steps
+    calls = spy_on_the_fused_step(runner)
+    seqs[0].num_computed_tokens, seqs[0].num_new_tokens = 2, 2
+    runner.forward(seqs)
+    assert calls == []
+
+
+@needs_kernel
+def test_a_split_step_computes_the_rows_of_the_whole_one(tiny_folder: Path) -> None:
+    runner = TorchModelRunner.load(str(tiny_folder), 16, BLOCK_SIZE, quantization="int4")
+    prompts = [list(range(5 + i, 5 + i + 6 + 3 * i)) for i in range(4)]
+    seqs = [Sequence(f"p{i}", prompt, SamplingParams()) for i, prompt in enumerate(prompts)]
+    for i, seq in enumerate(seqs):
+        seq.block_table, seq.num_new_tokens = [2 * i, 2 * i + 1], len(seq.token_ids)
+    runner.use_fused_step(4, prefill_rows=64)
+    whole, _ = runner.forward(seqs)
+    runner.use_fused_step(4, prefill_rows=16, split_steps=True)  # 6 + 9 rows, 12, 15
+    assert runner.fused is not None and len(runner.fused.parts(seqs) or []) == 3
+    split, _ = runner.forward(seqs)  # the same positions again, from the same cache
+    assert split.shape == whole.shape
+    for row in range(whole.shape[0]):
+        assert cosine(split[row], whole[row]) > 0.9999
+
+
+@needs_kernel
 def test_a_step_with_chunks_takes_it_only_over_short_contexts(
     tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -68,7 +68,8 @@ def test_a_second_start_takes_the_stored_choices_without_timing(
     assert stored is not None
     stored["routes"] = {name: ["dense"] * len(r) for name, r in stored["routes"].items()}
     stored["fused_step"] = 0 if first.fused is not None else 8  # the other way round
-    stored["fused_prefill_rows"] = 16
+    assert type(stored["fused_split_steps"]) is bool
+    stored["fused_prefill_rows"], stored["fused_split_steps"] = 16, True
     cache.save(key, stored)
 
     second = load(tiny_folder, tmp_path)
@@ -78,6 +79,7 @@ def test_a_second_start_takes_the_stored_choices_without_timing(
     fused_limit = 8 if first.fused is None and fused_decode.available() else None
     assert (second.fused and second.fused.max_batch) == fused_limit
     assert (second.fused and second.fused.prefill_rows) == (fused_limit and 16)
+    assert (second.fused and second.fused.split_steps) == (fused_limit and True)
 
 
 def test_a_changed_key_times_again_and_keeps_both(
@@ -123,6 +125,10 @@ def test_a_record_that_does_not_fit_the_model_is_timed_over(
     assert timings.routes == 2  # timed again, and stored over the bad record
     stored = cache.load(key)
     assert stored is not None and "w8a8 x1" not in stored["routes"]
-    cache.path(key).write_text("{not json")
+    del stored["fused_split_steps"]  # a record of an earlier version
+    cache.save(key, stored)
     load(tiny_folder, tmp_path)
     assert timings.routes == 3
+    cache.path(key).write_text("{not json")
+    load(tiny_folder, tmp_path)
+    assert timings.routes == 4

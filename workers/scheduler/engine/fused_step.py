@@ -5,7 +5,9 @@ whose every decoder projection has the int4 groups: decode steps (one new token 
 of up to the batch where it was timed faster than the torch forward at load
 (`fused_batch_limit`), and steps with prefill chunks beside the decodes up to the rows where
 it was timed faster on those too (`fused_prefill_limit`), while their contexts are short
-(`MAX_MEAN_CONTEXT`); other steps, and other models, keep the torch forward.
+(`MAX_MEAN_CONTEXT`). A larger step of such chunks (a wave of new prompts) goes as several
+fused calls of whole sequences where that was timed faster than the torch forward on the
+whole step (`fused_split_faster`). Other steps, and other models, keep the torch forward.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ TIMED_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_TIMED_ROWS = (64, 512)
 PREFILL_TIMING_ROUNDS = 3
 MAX_MEAN_CONTEXT = 512
+# A step of this many times `prefill_rows` fresh chunks is timed whole through the torch
+# forward against split into fused calls: per token, the torch forward's large steps can
+# cost more than its 512-row ones (CPU caches) or less (AMX tiles), so it is timed.
+SPLIT_TIMED_PARTS = 4
 
 
 class FusedStep:
@@ -47,6 +53,7 @@ class FusedStep:
         self.decoder, self.block_size = decoder, block_size
         self.max_batch = decoder.max_rows  # decodes a step may carry
         self.prefill_rows = 0  # rows of a step with prefill chunks; 0: decode steps only
+        self.split_steps = False  # a larger step goes as several calls it takes (`parts`)
 
     @classmethod
     def of(
@@ -121,15 +128,31 @@ class FusedStep:
             and attended(chunks) <= MAX_MEAN_CONTEXT * chunk_rows
         )
 
-    def __call__(self, seqs: list[Seq]) -> tuple[torch.Tensor, AttentionBatch]:
-        """The final hidden states [T, hidden] of the step's new tokens, and the step's
-        batch (positions and last indices, as the runner's outputs read them)."""
+    def parts(self, seqs: list[Seq]) -> list[list[Seq]] | None:
+        """The step as the fused calls that run it, in order: the whole step where it
+        `takes` it, or with `split_steps` consecutive runs of whole sequences that it takes
+        each; None where it runs on the torch forward. Sequences do not attend to each
+        other, so calling them apart gives the same rows."""
+        if self.takes(seqs):
+            return [seqs]
+        if not self.split_steps or all(seq.num_new_tokens == 1 for seq in seqs):
+            return None  # decodes beyond `max_batch` were timed slower fused
+        parts: list[list[Seq]] = [[]]
+        for seq in seqs:
+            if parts[-1] and not self.takes([*parts[-1], seq]):
+                parts.append([])
+            parts[-1].append(seq)
+        return parts if all(self.takes(part) for part in parts) else None
+
+    def __call__(
+        self, seqs: list[Seq], parts: list[list[Seq]] | None = None
+    ) -> tuple[torch.Tensor, AttentionBatch]:
+        """The final hidden states [T, hidden] of the step's new tokens (computed by
+        `parts`, consecutive runs of `seqs`; default: one call), and the step's batch
+        (positions and last indices, as the runner's outputs read them)."""
         rows = [(seq, p) for seq in seqs for p in new_positions(seq)]
-        hidden = self.decoder(
-            [seq.token_ids[p] for seq, p in rows],
-            [p for _, p in rows],
-            [seq.block_table for seq, _ in rows],
-        )
+        outs = [self._hidden(part) for part in parts or [seqs]]
+        hidden = outs[0] if len(outs) == 1 else torch.cat(outs)
         slots = [
             seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
             for seq, p in rows
@@ -142,6 +165,14 @@ class FusedStep:
             block_size=self.block_size,
         )
         return hidden, batch
+
+    def _hidden(self, seqs: list[Seq]) -> torch.Tensor:
+        rows = [(seq, p) for seq in seqs for p in new_positions(seq)]
+        return self.decoder(
+            [seq.token_ids[p] for seq, p in rows],
+            [p for _, p in rows],
+            [seq.block_table for seq, _ in rows],
+        )
 
 
 def new_positions(seq: Seq) -> range:
@@ -200,6 +231,25 @@ def fused_prefill_limit(
     return largest_faster(fused, forward, steps, PREFILL_TIMING_ROUNDS)
 
 
+def fused_split_faster(
+    forward: Forward, fused: FusedStep, padding_block: int, block_size: int
+) -> bool:
+    """Whether a step of `SPLIT_TIMED_PARTS` times `fused.prefill_rows` rows of prefill
+    chunks (one block each, in the padding block) ran faster as fused calls of up to
+    `prefill_rows` rows than whole through `forward`."""
+    rows = SPLIT_TIMED_PARTS * fused.prefill_rows
+    split = FusedStep(fused.decoder, block_size)
+    split.max_batch, split.prefill_rows = fused.max_batch, fused.prefill_rows
+    split.split_steps = True
+    seqs = padding_seqs(rows // block_size, 0, block_size, padding_block)
+    parts = split.parts(seqs)
+    return (
+        rows > 0
+        and parts is not None
+        and faster(lambda s: split(s, parts), forward, seqs, PREFILL_TIMING_ROUNDS)
+    )
+
+
 def padding_seqs(count: int, computed: int, new: int, padding_block: int) -> list[Seq]:
     """`count` timing sequences of `new` tokens after `computed`, all in the padding block."""
     seqs = [
@@ -212,7 +262,7 @@ def padding_seqs(count: int, computed: int, new: int, padding_block: int) -> lis
 
 
 def largest_faster(
-    fused: FusedStep, forward: Forward, steps: Iterable[tuple[int, list[Seq]]], rounds: int
+    fused: Forward, forward: Forward, steps: Iterable[tuple[int, list[Seq]]], rounds: int
 ) -> int:
     """The size of the last of `steps` (size, sequences) before the first the fused step did
     not run faster than `forward`; 0 where it lost the first."""
@@ -224,7 +274,7 @@ def largest_faster(
     return limit
 
 
-def faster(fused: FusedStep, forward: Forward, seqs: list[Seq], rounds: int) -> bool:
+def faster(fused: Forward, forward: Forward, seqs: list[Seq], rounds: int) -> bool:
     """Whether the fused step ran `seqs` faster than `forward`: best of `rounds` each,
     interleaved."""
     best = {"torch": float("inf"), "fused": float("inf")}

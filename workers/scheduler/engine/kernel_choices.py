@@ -13,7 +13,12 @@ import torch
 
 from workers.scheduler.core.sequence import Sequence
 from workers.scheduler.engine.batch import AttentionBatch, LayerCache
-from workers.scheduler.engine.fused_step import FusedStep, fused_batch_limit, fused_prefill_limit
+from workers.scheduler.engine.fused_step import (
+    FusedStep,
+    fused_batch_limit,
+    fused_prefill_limit,
+    fused_split_faster,
+)
 from workers.scheduler.engine.tuning_cache import TuningCache, tuning_key
 from workers.scheduler.layers.attention_tuning import AttentionChoice, choose_attention
 from workers.scheduler.layers.tiered import TUNED_TOKENS, apply_routes, tune_routes
@@ -38,7 +43,11 @@ class TunedRunner(Protocol):
     def use_attention(self, choice: AttentionChoice) -> None: ...
 
     def use_fused_step(
-        self, max_batch: int, built: FusedStep | None = None, prefill_rows: int = 0
+        self,
+        max_batch: int,
+        built: FusedStep | None = None,
+        prefill_rows: int = 0,
+        split_steps: bool = False,
     ) -> None: ...
 
 
@@ -77,21 +86,26 @@ def time_kernels(runner: TunedRunner) -> dict[str, Any]:
     fused = FusedStep.of(model, runner.kv_cache, runner.block_size)
     runner.use_fused_step(0)  # timing the torch forward
     limit = rows = 0
+    split = False
     if fused is not None:
         timed = (runner.forward, fused, runner.padding_block, runner.block_size)
         limit = fused_batch_limit(*timed)
         rows = fused_prefill_limit(*timed) if limit else 0
+        fused.max_batch, fused.prefill_rows = limit, rows
+        split = rows > 0 and fused_split_faster(*timed)
     logger.info(
-        "decode steps: %s; with prefill chunks: %s",
+        "decode steps: %s; with prefill chunks: %s%s",
         f"the fused step up to {limit} sequences" if limit else "the torch forward",
         f"the fused step up to {rows} tokens" if rows else "the torch forward",
+        ", larger steps as several fused calls" if split else "",
     )
-    runner.use_fused_step(limit, fused, rows)
+    runner.use_fused_step(limit, fused, rows, split)
     return {
         "routes": routes,
         "attention": None if choice is None else asdict(choice),
         "fused_step": limit,
         "fused_prefill_rows": rows,
+        "fused_split_steps": split,
     }
 
 
@@ -102,15 +116,16 @@ def use_choices(runner: TunedRunner, choices: dict[str, Any]) -> bool:
         routes, attention = choices["routes"], choices["attention"]
         choice = None if attention is None else AttentionChoice(**attention)
         fused_limit, prefill_rows = choices["fused_step"], choices["fused_prefill_rows"]
+        split = choices["fused_split_steps"]
     except (KeyError, TypeError):  # a record of another layout
         return False
-    if type(fused_limit) is not int or type(prefill_rows) is not int:
+    if type(fused_limit) is not int or type(prefill_rows) is not int or type(split) is not bool:
         return False
     if not apply_routes(runner.model, routes):
         return False
     if choice is not None:
         runner.use_attention(choice)
-    runner.use_fused_step(fused_limit, prefill_rows=prefill_rows)
+    runner.use_fused_step(fused_limit, prefill_rows=prefill_rows, split_steps=split)
     return True
 
 

@@ -193,7 +193,7 @@ class TorchModelRunner:
         reload.py."""
         reload_runner(self, model_path, prepare_model)
         if (fused := self.fused) is not None:  # it points at the weights it was built on
-            self.use_fused_step(fused.max_batch, prefill_rows=fused.prefill_rows)
+            self.use_fused_step(fused.max_batch, None, fused.prefill_rows, fused.split_steps)
 
     def use_attention(self, choice: AttentionChoice) -> None:
         """The attention kernels `choose_attention` timed fastest on this CPU."""
@@ -206,12 +206,17 @@ class TorchModelRunner:
         self.matmul_prefill_max_context = choice.matmul_prefill_max_context
 
     def use_fused_step(
-        self, max_batch: int, built: FusedStep | None = None, prefill_rows: int = 0
+        self,
+        max_batch: int,
+        built: FusedStep | None = None,
+        prefill_rows: int = 0,
+        split_steps: bool = False,
     ) -> None:
         """Decode steps of up to `max_batch` sequences through the fused C step where it
         takes the model (fused_step.py; `built`: one already made over this model), and
-        steps with prefill chunks of up to `prefill_rows` new tokens; the others (all with
-        `max_batch` 0) through the torch forward."""
+        steps with prefill chunks of up to `prefill_rows` new tokens (larger ones as several
+        such calls with `split_steps`); the others (all with `max_batch` 0) through the
+        torch forward."""
         fused = built
         if max_batch > 0 and fused is None:
             rows = max(max_batch, prefill_rows)
@@ -219,6 +224,7 @@ class TorchModelRunner:
         if fused is not None:
             fused.max_batch = min(max_batch, fused.decoder.max_rows)
             fused.prefill_rows = min(prefill_rows, fused.decoder.max_rows)
+            fused.split_steps = split_steps and fused.prefill_rows > 0
         self.fused = fused if max_batch > 0 else None
 
     def graphed_decode(self, max_batch: int) -> GraphedDecode:
@@ -254,8 +260,8 @@ class TorchModelRunner:
         of each sequence, from `seq.num_computed_tokens` on."""
         if self.graphs is not None and self.graphs.takes(seqs):
             return self.graphs(seqs)
-        if self.fused is not None and self.fused.takes(seqs):
-            return self.fused(seqs)
+        if self.fused is not None and (parts := self.fused.parts(seqs)) is not None:
+            return self.fused(seqs, parts)
         input_ids = torch.tensor(
             [
                 t
