@@ -135,14 +135,17 @@ class FusedStep:
         other, so calling them apart gives the same rows."""
         if self.takes(seqs):
             return [seqs]
-        if not self.split_steps or all(seq.num_new_tokens == 1 for seq in seqs):
-            return None  # decodes beyond `max_batch` were timed slower fused
+        chunks = [seq for seq in seqs if seq.num_new_tokens > 1]
+        # Decodes beyond `max_batch` were timed slower fused; a chunk it does not take alone
+        # (too many rows, too long a context) keeps the whole step on the torch forward.
+        if not self.split_steps or not chunks or not all(self.takes([c]) for c in chunks):
+            return None
         parts: list[list[Seq]] = [[]]
-        for seq in seqs:
+        for seq in seqs:  # each part grows while taken; a sequence alone always is
             if parts[-1] and not self.takes([*parts[-1], seq]):
                 parts.append([])
             parts[-1].append(seq)
-        return parts if all(self.takes(part) for part in parts) else None
+        return parts
 
     def __call__(
         self, seqs: list[Seq], parts: list[list[Seq]] | None = None
@@ -242,11 +245,9 @@ def fused_split_faster(
     split.max_batch, split.prefill_rows = fused.max_batch, fused.prefill_rows
     split.split_steps = True
     seqs = padding_seqs(rows // block_size, 0, block_size, padding_block)
-    parts = split.parts(seqs)
-    return (
-        rows > 0
-        and parts is not None
-        and faster(lambda s: split(s, parts), forward, seqs, PREFILL_TIMING_ROUNDS)
+    parts = split.parts(seqs) if rows else None
+    return parts is not None and faster(
+        lambda s: split(s, parts), forward, seqs, PREFILL_TIMING_ROUNDS
     )
 
 
