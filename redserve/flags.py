@@ -199,7 +199,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--kv-cache-dtype",
         "scheduler.kv_cache_dtype",
-        "auto (the model's dtype) or bfloat16 (bf16): a bf16 cache under an fp32 model",
+        "auto (the model's dtype; bf16 under --quantization auto on a quantized GGUF), "
+        "bfloat16 (bf16) or float32",
         choices=KV_CACHE_DTYPES,
     ),
     Flag(

@@ -95,8 +95,10 @@ class ApiSettings(_Checked):
 
 Quantization = Literal["auto", "none", "int4", "w8a8_int8"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
-# SGLang's --kv-cache-dtype names ("auto" = the model's dtype; "bf16" = "bfloat16").
-KvCacheDtype = Literal["auto", "bfloat16", "bf16"]
+# SGLang's --kv-cache-dtype names ("bf16" = "bfloat16"), and "float32" for the exact cache;
+# "auto": the model's dtype, bf16 under `--quantization auto` on a quantized GGUF
+# (workers/scheduler/engine/dtypes.py).
+KvCacheDtype = Literal["auto", "bfloat16", "bf16", "float32"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 

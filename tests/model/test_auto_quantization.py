@@ -73,6 +73,7 @@ def test_the_default_runner_of_a_dense_checkpoint_is_unquantized(
     folder = saved_random_model(tmp_path_factory, "dense", LlamaConfig(**SMALL), weight_std=0.05)
     runner = TorchModelRunner.load(str(folder), 8, 16, dtype="float32", quantization="auto")
     assert not any(isinstance(m, TieredLinear) for m in runner.model.modules())
+    assert runner.kv_cache[0][0].dtype == torch.float32  # the model's dtype
 
 
 def test_the_packaged_q4_1_gguf_loads_in_int4_by_default(model_path: str) -> None:
@@ -86,6 +87,10 @@ def test_the_packaged_q4_1_gguf_loads_in_int4_by_default(model_path: str) -> Non
     vnni = fused_decode.available()
     assert list(runner.model.lm_head.kernels) == ["int8", *["int8_vnni"] * vnni, *amx]
     assert all(list(m.kernels) == ["int4", *["int4_vnni"] * vnni, *amx] for m in tiered[:-1])
+    # K/V in 16 bits, as llama.cpp serves the file; the exact reference keeps fp32.
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in runner.kv_cache)
+    exact = TorchModelRunner.load(model_path, 8, 16, dtype="float32", quantization="none")
+    assert exact.kv_cache[0][0].dtype == torch.float32
 
 
 def test_auto_follows_the_fp32_greedy_trajectory_through_each_of_its_kernels(

@@ -30,6 +30,12 @@ def test_auto_keeps_the_models_dtype_and_bf16_is_named_either_way() -> None:
     assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert resolve_kv_dtype("bf16", torch.float32) == torch.bfloat16
+    # A checkpoint stored quantized, served so: 16-bit K/V, as llama.cpp keeps them.
+    assert resolve_kv_dtype("auto", torch.float32, quantized_checkpoint=True) == torch.bfloat16
+    assert resolve_kv_dtype("auto", torch.bfloat16, quantized_checkpoint=True) == torch.bfloat16
+    for model_dtype in (torch.float32, torch.bfloat16):
+        exact = resolve_kv_dtype("float32", model_dtype, quantized_checkpoint=True)
+        assert exact == torch.float32
     with pytest.raises(ValueError, match="fp8"):
         resolve_kv_dtype("fp8", torch.float32)
 

@@ -25,17 +25,27 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if cpu_has_bf16() else "float32"
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: the model's for "auto"; bf16 for "bfloat16" (or "bf16"), where
-    K/V are rounded to bf16 as they are stored and read back widened to the model's dtype.
-    Under an fp32 model that halves the cache (twice the tokens in the same memory) and
-    what a decode step's attention reads, which at many sequences is a large share of a
-    step (measured in bench/README.md). Its predictions stay within the bounds that
-    tests/model/test_kv_cache_dtype.py sets against the fp32 cache (teacher-forced)."""
+def resolve_kv_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, quantized_checkpoint: bool = False
+) -> torch.dtype:
+    """The KV cache's dtype. "auto": the model's, except bf16 under an fp32 model that
+    serves a checkpoint stored quantized (`quantized_checkpoint`: `--quantization auto` on
+    a Q4 GGUF), as llama.cpp keeps such a file's K/V in 16 bits; the exact reference
+    (`--dtype float32 --quantization none`) keeps fp32. "bfloat16" (or "bf16"): K/V rounded
+    to bf16 as they are stored and read back widened to the model's dtype; "float32" the
+    exact cache under any model. Under an fp32 model bf16 halves the cache (twice the
+    tokens in the same memory) and what a decode step's attention reads, which at many
+    sequences is a large share of a step (measured in bench/README.md). Its predictions
+    stay within the bounds that tests/model/test_kv_cache_dtype.py sets against the fp32
+    cache (teacher-forced)."""
     if kv_cache_dtype == "auto":
+        if quantized_checkpoint and model_dtype == torch.float32:
+            return torch.bfloat16
         return model_dtype
     if kv_cache_dtype in ("bfloat16", "bf16"):
         return torch.bfloat16
+    if kv_cache_dtype == "float32":
+        return torch.float32
     raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r} ({', '.join(KV_CACHE_DTYPES)})")
 
 

@@ -142,7 +142,10 @@ class TorchModelRunner:
         model = prepare_model(model_path, DTYPES[dtype], device, quantization, block_size)
         logger.info("loaded weights from %s in %.1fs", model_path, time.monotonic() - started)
         weight = model.embed_tokens.weight
-        kv_dtype = resolve_kv_dtype(kv_cache_dtype, weight.dtype)
+        quantized = quantization == "auto" and (
+            plan_quantization(quantization, device, model_path).method != "none"
+        )
+        kv_dtype = resolve_kv_dtype(kv_cache_dtype, weight.dtype, quantized)
         bytes_per_block = kv_bytes_per_token(model.args, kv_dtype) * block_size
         available = available_memory(weight.device) if kv_memory_fraction else 0
         num_kv_blocks = num_kv_blocks_for(
