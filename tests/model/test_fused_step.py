@@ -84,6 +84,23 @@ def test_the_fused_linear_computes_the_product_of_its_groups(rows: int, kernel_b
             assert cosine(got[row], want[row]) > 0.999
 
 
+@needs_kernel
+def test_the_fused_linear_rounds_activations_to_the_nearest_step_ties_to_even(
+    kernel_build: str,
+) -> None:
+    # Every group's largest |x| is 127, so its step is 1: x is rounded to integers, halves
+    # to even (as lrintf), and with integer weights the product is exact in fp32.
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (32, 128), generator=gen)
+    scale, low = torch.ones(32, 4), torch.full((32, 4), -8.0)
+    x = torch.randint(-126, 126, (5, 128), generator=gen).float()
+    x[:, 1::7] += 0.5  # ties: 2.5 -> 2, 3.5 -> 4, -2.5 -> -2
+    x[:, 3::11] -= 0.25
+    x[:, ::32] = 127.0 * torch.tensor([1.0, -1.0])[torch.randint(0, 2, (5, 4), generator=gen)]
+    got = FusedLinear(Tiles.int4(q, scale, low))(x)
+    assert torch.equal(got, torch.round(x) @ (q.float() - 8).T)
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return saved_random_model(tmp_path_factory, "fused", LlamaConfig(**SMALL), weight_std=0.05)
