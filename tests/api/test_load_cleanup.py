@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -121,6 +122,17 @@ async def _running(app: FastAPI, rid: str) -> bool:
     return rid in app.state.manager.rid_to_state
 
 
+@pytest.fixture
+def patient_redis_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The api's bound on a Redis call (0.9 s: a 503 past it, tests/api/test_outages.py)
+    raised for this test, which is about what a load leaves behind: on 2 cores beside the
+    model tests a claim once took longer, and 2 of 500 requests answered 503."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("api.") and hasattr(module, "REDIS_TIMEOUT_S"):
+            monkeypatch.setattr(module, "REDIS_TIMEOUT_S", 10.0)
+
+
+@pytest.mark.usefixtures("patient_redis_calls")
 async def test_500_requests_leave_no_state(
     settings: Settings,
     real_redis: aioredis.Redis,
