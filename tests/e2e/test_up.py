@@ -16,11 +16,14 @@ from pathlib import Path
 import pytest
 
 from shared.embedded_redis import free_port
+from tests.support.stack import STARTUP_TIMEOUT_S
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
-def _wait_health(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
+def _wait_health(
+    port: int, proc: subprocess.Popen[bytes], timeout_s: float = STARTUP_TIMEOUT_S
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, "redserve up exited early"

@@ -3,7 +3,10 @@ with the same key takes them without timing anything; a changed key times again.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +98,7 @@ def test_a_changed_key_times_again_and_keeps_both(
     assert timings.routes == 2
 
 
-def test_a_changed_checkpoint_or_setting_is_another_key(
-    tiny_folder: Path, tmp_path: Path
-) -> None:
+def test_a_changed_checkpoint_or_setting_is_another_key(tiny_folder: Path, tmp_path: Path) -> None:
     runner = load(tiny_folder, None)
     key = kernel_choices.choices_key(runner)
     runner.block_size = 32
@@ -132,3 +133,42 @@ def test_a_record_that_does_not_fit_the_model_is_timed_over(
     cache.path(key).write_text("{not json")
     load(tiny_folder, tmp_path)
     assert timings.routes == 4
+
+
+def test_a_start_waits_for_another_timing_the_same_key_and_takes_its_record(
+    tiny_folder: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    timings = Timings(monkeypatch)
+    first = load(tiny_folder, tmp_path)
+    cache = tuning_cache.TuningCache(tmp_path / "tuning")
+    key = kernel_choices.choices_key(first)
+    record = cache.load(key)
+    cache.path(key).unlink()
+    holding, release = threading.Event(), threading.Event()
+
+    def another_start_timing() -> None:  # a lock of its own, as another process holds one
+        with cache.timing_alone(key):
+            holding.set()
+            release.wait(120)
+            assert record is not None
+            cache.save(key, record)
+
+    other = threading.Thread(target=another_start_timing)
+    other.start()
+    assert holding.wait(30)
+    started: list[TorchModelRunner] = []
+    caplog.set_level(logging.INFO, logger=tuning_cache.__name__)
+    loader = threading.Thread(target=lambda: started.append(load(tiny_folder, tmp_path)))
+    loader.start()
+    deadline = time.monotonic() + 120
+    while "timing these kernels: waiting" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    release.set()  # the other start stores its record only now
+    other.join(60)
+    loader.join(120)
+    assert "timing these kernels: waiting" in caplog.text
+    assert started and timings.routes == 1  # it took the other start's record
+    assert routes(started[0]) == routes(first)

@@ -24,8 +24,9 @@ from shared.config import Settings, child_process_env
 from shared.embedded_redis import EmbeddedRedis, free_port
 from shared.keys import SCHEDULER_GROUP, Keys
 from tests.support.cluster import LocalCluster, subscribe, sync_client
+from tests.support.stack import STARTUP_TIMEOUT_S
 
-READY_TIMEOUT_S = 180
+READY_TIMEOUT_S = STARTUP_TIMEOUT_S
 
 
 @dataclass

@@ -53,16 +53,17 @@ class TunedRunner(Protocol):
 
 def recall_or_time_kernels(runner: TunedRunner, tuning_dir: Path | None) -> None:
     """Takes the choices stored under the runner's key in `tuning_dir`, or times them and
-    stores them there (None: times them, stores nothing)."""
+    stores them there, one process at a time per key (None: times them, stores nothing)."""
     if tuning_dir is None:
         time_kernels(runner)
         return
     cache, key = TuningCache(tuning_dir / "tuning"), choices_key(runner)
-    stored = cache.load(key)
-    if stored is not None and use_choices(runner, stored):
-        logger.info("kernel choices as timed at an earlier start: %s", cache.path(key))
-        return
-    cache.save(key, time_kernels(runner))
+    with cache.timing_alone(key):
+        stored = cache.load(key)
+        if stored is not None and use_choices(runner, stored):
+            logger.info("kernel choices as timed at an earlier start: %s", cache.path(key))
+            return
+        cache.save(key, time_kernels(runner))
 
 
 def time_kernels(runner: TunedRunner) -> dict[str, Any]:

@@ -9,7 +9,10 @@ on: the CPU (model name and flags), the torch version, the checkpoint (its files
 sizes and modification times), the source of the tuning code and kernels, and the settings
 that shape the model (dtype, KV cache dtype, quantization, threads, block size). A changed
 key is another file: the scheduler times again and stores that too. A record that does not
-fit the model (another set of kernels) is ignored and overwritten.
+fit the model (another set of kernels) is ignored and overwritten. Schedulers starting
+together on one machine (`--scale scheduler=N` over a shared cache, a restart beside a
+start) time one at a time under a lock per key: the first times, the others wait and take
+its record, rather than all timing at once on shared cores (slower, and noisier choices).
 
 Inductor's compiled graphs and C++ builds (`--enable-torch-compile`) go to
 `{cache_dir}/inductor`: Inductor's own cache, keyed by Inductor itself; the C kernels'
@@ -18,10 +21,13 @@ builds to `{cache_dir}/kernels` (kernels/c_build.py).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +86,27 @@ class TuningCache:
     def path(self, key: dict[str, Any]) -> Path:
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
         return self.directory / f"{name}.json"
+
+    @contextlib.contextmanager
+    def timing_alone(self, key: dict[str, Any]) -> Iterator[None]:
+        """Holds the key's lock (a flock, let go when its holder exits, however) while the
+        caller looks for a record and times one; waits, saying so, while another process
+        holds it. A directory that refuses a lock file only costs the wait."""
+        path = self.path(key).with_suffix(".lock")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = open(path, "a")  # noqa: SIM115 (held across the yield)
+        except OSError as e:
+            logger.warning("timing without the lock %s: %r", path, e)
+            yield
+            return
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.info("another process on this machine is timing these kernels: waiting")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     def load(self, key: dict[str, Any]) -> dict[str, Any] | None:
         """The choices stored under `key`, or None (none stored, or unreadable)."""
