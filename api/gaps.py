@@ -3,7 +3,15 @@ subscription off, a reconnect, a re-attach) first asks the detokenizer to send t
 from the expected seq (a Reattach on `rs:ctl`); if nothing came after REFILL_IDLE_S, the
 missing text is rebuilt from the durable id log `rs:ids:{rid}` (decoded here; logprobs of
 those positions are then null), and a request that finished meanwhile is finished from its
-state hash. So the final answer never depends on a message that was lost."""
+state hash. So the final answer never depends on a message that was lost.
+
+The id log holds ids only. A request whose answer needs what only the entries carry (logprobs,
+an embedding) is therefore not rebuilt from it while its entries may merely be late: a
+detokenizer behind on a busy machine delivers them seconds after the scheduler wrote the ids
+and the finish. Only a gap (a later entry came, so one was lost), entries that surely went
+elsewhere (a re-attach, a lost subscription) or a finish older than `late_entry_s` (twice the
+detokenizer lease: by then a lagging detokenizer delivered, or its shards moved and the entry
+is lost for good) is rebuilt for such a request."""
 
 from __future__ import annotations
 
@@ -32,14 +40,16 @@ class GapFiller:
         if not state.resend_at:
             self.request([state])
 
-    def request(self, states: list[ReqState]) -> None:
-        """Ask the detokenizer to send these requests' text again from their next seq."""
+    def request(self, states: list[ReqState], lost: bool = False) -> None:
+        """Ask the detokenizer to send these requests' text again from their next seq
+        (`lost`: some of it surely went elsewhere, not merely late)."""
         states = [s for s in states if not s.finished]
         if not states:
             return
         now = time.monotonic()
         for state in states:
             state.resend_at, state.refill_every = now, REFILL_IDLE_S
+            state.entries_lost = state.entries_lost or lost
         self.tm.spawn(self._announce(states))
 
     async def _announce(self, states: list[ReqState]) -> None:
@@ -75,7 +85,7 @@ class GapFiller:
     async def refill(self, state: ReqState) -> bool:
         """Rebuild the missing text from the id log; finish the request if its state hash
         says it ended and every id is covered; give up on a gap the log cannot fill.
-        True when it applied something."""
+        True when it applied something, or waits for a finished request's late entries."""
         tm = self.tm
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
@@ -86,6 +96,9 @@ class GapFiller:
             return False
         end = min([len(ids), *(e.seq for e in state.held)])
         terminal = info is not None and info.status in _TERMINAL
+        late = not (state.held or state.entries_lost) and needs_entries(state)
+        if late and not self._entries_overdue(info):
+            return terminal  # its entries may be on their way: look again soon if it ended
         found = end > state.next_seq or (terminal and not state.held)
         if found:
             entry = await self._entry(state, ids, end, info if terminal else None)
@@ -101,6 +114,14 @@ class GapFiller:
         if state.finished:
             state.resend_at = 0.0
         return found
+
+    def _entries_overdue(self, info: protocol.RequestState | None) -> bool:
+        """Whether a request that `info` says finished did so longer than `late_entry_s`
+        ago (False while it runs: its entries keep coming, or a gap shows the loss)."""
+        if info is None or info.status not in _TERMINAL:
+            return False
+        late_entry_s = 2 * self.tm.settings.detokenizer.lease_ttl_s
+        return time.time() - (info.finished_at or 0.0) >= late_entry_s
 
     async def _entry(
         self, state: ReqState, ids: list[int], end: int, info: protocol.RequestState | None
@@ -129,6 +150,11 @@ class GapFiller:
         skip = state.obj.skip_special_tokens
         before, text = await self.tm.tok.decode_batch([ids[:start], ids[:end]], skip)
         return text[len(before) :]
+
+
+def needs_entries(state: ReqState) -> bool:
+    """Whether the answer needs what only the engine's entries carry, not the id log."""
+    return state.logprobs is not None or state.obj.embed
 
 
 def _nothing(state: ReqState) -> protocol.TextEntry:

@@ -168,7 +168,7 @@ def _resume(
     if states:
         tm.adopt(states)
         outputs = tm.outputs(states)
-        tm.gaps.request(states)  # routes their text here, sent again from their seq
+        tm.gaps.request(states, lost=True)  # routes their text here, sent again from their seq
         for state in states:
             info = target.infos[state.index]
             if info is not None and info.status in _TERMINAL:

@@ -93,6 +93,9 @@ class ReqState:
     # `resend_at`, monotonic; 0 = none pending) or a refill from the id log fills it.
     held: list[protocol.TextEntry] = field(default_factory=list, repr=False)
     resend_at: float = 0.0
+    # Entries surely went elsewhere (a re-attach, a lost subscription): the id log may fill
+    # them at once, even for a request whose entries carry more than ids (api.gaps).
+    entries_lost: bool = False
     refill_every: float = 0.0  # the id log is read again after this long (backs off)
     finish_seen: protocol.FinishReason | None = None  # an applied entry's finish
 

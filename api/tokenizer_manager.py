@@ -396,7 +396,7 @@ class TokenizerManager:
     def resync(self) -> None:
         """The output channel was lost for a while: ask for every live request's text again
         from where this replica is (nothing published meanwhile reached it)."""
-        self.gaps.request(list(self.rid_to_state.values()))
+        self.gaps.request(list(self.rid_to_state.values()), lost=True)
 
 
 def _aborted(state: ReqState) -> bool:

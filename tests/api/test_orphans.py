@@ -15,13 +15,15 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from api.gaps import REFILL_IDLE_S
+from api.waiting import STALL_S
 from shared import heartbeat, reattach
-from shared.config import Settings
+from shared.config import DetokenizerSettings, Settings
 from shared.keys import HEARTBEAT_TTL_S, Keys
 from tests.support.api_backend import ScriptedBackend
 from tests.support.api_faults import SseClient, freeze, text_of
 from tests.support.app import API_ID, running_app, with_api
-from tests.support.backend import REPLY
+from tests.support.backend import REPLY, fake_logprob
 from tests.support.waiting import wait_until
 
 
@@ -145,3 +147,47 @@ async def test_a_request_whose_last_messages_were_lost_finishes_from_its_durable
     assert text_of("generate", client.frames) == text
     final = client.frames[-2][1]
     assert f'"output_ids":{ids}'.replace(" ", "") in final
+
+
+LOGPROBS_BODY = {"text": "hi", "return_logprob": True, "sampling_params": {"max_new_tokens": 4}}
+
+
+async def test_a_late_finish_of_a_logprobs_request_is_waited_for(
+    client: httpx.AsyncClient, scripted: ScriptedBackend
+) -> None:
+    """A detokenizer behind on a busy machine delivers a finish seconds after the scheduler
+    wrote it. The id log has no logprobs, so the request waits for the entry rather than
+    being rebuilt from the log with nulls (what the id log gives a plain request)."""
+    scripted.resend = False  # a lagging detokenizer answers nothing before its backlog
+    answer = asyncio.create_task(client.post("/generate", json={**LOGPROBS_BODY, "rid": "late"}))
+    await scripted.wait_job("late")
+    scripted.route["late"] = "nowhere"  # still in the detokenizer's backlog
+    await scripted.finish("late")  # the ids and the finish are written durably
+    await asyncio.sleep(STALL_S + REFILL_IDLE_S + 1.0)  # the waiter has read the id log
+    assert not answer.done()
+    scripted.route["late"] = API_ID
+    await scripted.publish("late", scripted.entry("late", 0, scripted.total("late")))
+    out = (await answer).json()
+    ids = out["output_ids"]
+    assert len(ids) == 4
+    values = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+    assert values == [fake_logprob(p, t) for p, t in enumerate(ids)]
+
+
+async def test_a_lost_finish_of_a_logprobs_request_is_rebuilt_once_overdue(
+    settings: Settings, fake_redis: aioredis.Redis, scripted: ScriptedBackend, tokenizer: Any
+) -> None:
+    """Its entries went nowhere (the detokenizer died): past twice the detokenizer lease
+    after the finish, the answer comes from the id log, its logprobs null."""
+    conf = settings.model_copy(update={"detokenizer": DetokenizerSettings(lease_ttl_s=1.0)})
+    scripted.resend = False
+    async with running_app(conf, fake_redis, tokenizer) as (_app, client):
+        body = {**LOGPROBS_BODY, "rid": "lost"}
+        answer = asyncio.create_task(client.post("/generate", json=body))
+        await scripted.wait_job("lost")
+        scripted.route["lost"] = "nowhere"
+        await scripted.finish("lost")
+        out = (await asyncio.wait_for(answer, 20)).json()
+    text, ids = reply(tokenizer, 4)
+    assert out["output_ids"] == ids and out["text"] == text
+    assert [entry[0] for entry in out["meta_info"]["output_token_logprobs"]] == [None] * 4
