@@ -98,6 +98,8 @@ class TuningCache:
             lock = open(path, "a")  # noqa: SIM115 (held across the yield)
         except OSError as e:
             logger.warning("timing without the lock %s: %r", path, e)
+            lock = None
+        if lock is None:
             yield
             return
         with lock:
