@@ -382,9 +382,10 @@ static void norm_rows(const Shape *s, Scratch *w, const float *weight, int B) {
     }
 }
 
-/* w->x += w->normed, row by row. */
+/* w->x += w->normed, row by row. No barrier after it: what follows it (norm_rows) shares out
+ * the same rows the same static way, so each thread reads back only rows it wrote. */
 static void add_rows(const Shape *s, Scratch *w, int B) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int b = 0; b < B; b++)
         for (int i = 0; i < s->hidden; i++)
             w->x[(size_t)b * s->hidden + i] += w->normed[(size_t)b * s->hidden + i];
